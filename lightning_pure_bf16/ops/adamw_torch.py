@@ -1,0 +1,138 @@
+"""The PyTorch path of the pure-bf16 Adam/AdamW update: CPU or GPU, in bounded chunks.
+
+Each chunk is read once, updated in float32, and written back once with the requested rounding. Temporaries are a
+fixed number of float32/int32 chunk-sized tensors, so extra memory stays bounded whatever the parameter size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_pure_bf16.ops.rng import random_bits
+from lightning_pure_bf16.ops.rounding import nearest_round_bf16, stochastic_round_bf16
+
+# 2**18 elements: about a dozen float32/int32 temporaries of 1 MiB each (well under 64 MiB), large enough that the
+# per-chunk Python overhead is small against the arithmetic, and a power of two as rng.random_bits requires.
+DEFAULT_CHUNK = 1 << 18
+
+ROUNDING_MODES = ("stochastic", "kahan", "nearest")
+
+
+@dataclass(frozen=True)
+class UpdateArgs:
+    """Scalars of one Adam/AdamW step for one tensor (everything except the buffers)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    step: int
+    rounding: str
+    keys: tuple[int, int, int]  # stream keys for param, exp_avg, exp_avg_sq (rng.Buffer order)
+
+    @property
+    def bias_correction1(self) -> float:
+        return 1.0 - self.beta1**self.step
+
+    @property
+    def bias_correction2_sqrt(self) -> float:
+        return (1.0 - self.beta2**self.step) ** 0.5
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+def adamw_update_torch_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    kahan_comp: torch.Tensor | None,
+    args: UpdateArgs,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> None:
+    """Apply one Adam/AdamW step in place to ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``kahan_comp``).
+
+    bf16 buffers get the requested rounding on every write; float32 buffers are written exactly (plain AdamW).
+
+    Args:
+        param: the parameter, bf16 or float32.
+        grad: its gradient, any float dtype, same number of elements.
+        exp_avg: first moment, same dtype and shape as ``param``.
+        exp_avg_sq: second moment, same dtype and shape as ``param``.
+        kahan_comp: bf16 compensation buffer when ``args.rounding == "kahan"`` and ``param`` is bf16, else ``None``.
+        args: the step's scalars.
+        chunk_size: elements per chunk; a power of two (default: ``2**18``).
+    """
+    if chunk_size <= 0 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
+    n = param.numel()
+    if n == 0:
+        return
+    p_flat = _flat(param)
+    g_flat, m_flat, v_flat = _flat(grad), _flat(exp_avg), _flat(exp_avg_sq)
+    c_flat = _flat(kahan_comp) if kahan_comp is not None else None
+    bf16 = param.dtype == torch.bfloat16
+    local = torch.arange(min(chunk_size, n), dtype=torch.int32, device=param.device) if bf16 else None
+
+    step_size = args.lr / args.bias_correction1
+    decay = args.lr * args.weight_decay
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        # Compute in fp32 whatever the storage dtype: bf16 arithmetic would round every intermediate.
+        p = p_flat[start:end].float()
+        g = g_flat[start:end].float()
+        m = m_flat[start:end].float()
+        v = v_flat[start:end].float()
+        if not args.decoupled and args.weight_decay != 0.0:
+            g.add_(torch.mul(p, args.weight_decay))
+        # Each product is rounded on its own (no fused multiply-add), in the kernel's order, so both backends land on
+        # the same side of bf16 rounding ties, which moments of bf16 inputs hit often.
+        v.mul_(args.beta2).add_(torch.mul(g, g).mul_(1.0 - args.beta2))
+        m.mul_(args.beta1).add_(g.mul_(1.0 - args.beta1))
+        # The denominator uses the fp32 moments: rounding happens only on the final writes.
+        delta = v.sqrt().mul_(1.0 / args.bias_correction2_sqrt).add_(args.eps)
+        torch.div(m, delta, out=delta).mul_(-step_size)
+        if args.decoupled and decay != 0.0:
+            # Weight decay is part of the same fp32 update and the same rounded write: rounded on its own, a sub-ulp
+            # lr*wd*p would vanish.
+            delta.sub_(g.copy_(p).mul_(decay))
+
+        if not bf16:
+            p_flat[start:end] = p.add_(delta)
+            m_flat[start:end] = m
+            v_flat[start:end] = v
+            continue
+
+        idx = local[: end - start]
+        if args.rounding == "nearest":
+            p_out = nearest_round_bf16(p.add_(delta))
+            m_out = nearest_round_bf16(m)
+            v_out = nearest_round_bf16(v)
+        else:
+            if args.rounding == "kahan":
+                # Kahan: add the carried remainder to this step's update, round the sum to nearest, and keep what
+                # the rounding lost (exactly representable in fp32) for the next step.
+                y = delta.add_(c_flat[start:end].float())
+                p_out = nearest_round_bf16(p + y)
+                c_flat[start:end] = nearest_round_bf16(y.sub_(p_out.float().sub_(p)))
+            else:
+                p_out = stochastic_round_bf16(p.add_(delta), random_bits(args.keys[0], start, idx))
+            m_out = stochastic_round_bf16(m, random_bits(args.keys[1], start, idx))
+            v_out = stochastic_round_bf16(v, random_bits(args.keys[2], start, idx))
+        p_flat[start:end] = p_out
+        m_flat[start:end] = m_out
+        v_flat[start:end] = v_out
+
+    for t, flat in ((param, p_flat), (exp_avg, m_flat), (exp_avg_sq, v_flat), (kahan_comp, c_flat)):
+        if t is not None and not t.is_contiguous():
+            t.copy_(flat.view(t.shape))
+
+
+__all__ = ["DEFAULT_CHUNK", "ROUNDING_MODES", "UpdateArgs", "adamw_update_torch_"]

@@ -1,0 +1,176 @@
+"""The fused Triton kernel of the pure-bf16 Adam/AdamW update: one launch per parameter tensor or flat partition.
+
+Reads p, g, m, v (and the Kahan buffer) once, computes in fp32 registers, writes each buffer once with stochastic
+rounding (random bits from ``ops.rng``) or round-to-nearest-even. Rounding is done on integer bit patterns, because
+the Triton interpreter (how the CPU tests run this kernel) truncates in its float-to-bf16 cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_pure_bf16.ops import rng
+from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
+
+# 1024 elements per program: 4 warps x 32 lanes x 8 elements, 16-byte bf16 vectors per lane on the GPU.
+BLOCK_SIZE = 1024
+NUM_WARPS = 4
+
+_MUL1: tl.constexpr = tl.constexpr(rng.MIX_MUL1)
+_MUL2: tl.constexpr = tl.constexpr(rng.MIX_MUL2)
+_SHIFT1: tl.constexpr = tl.constexpr(rng.MIX_SHIFT1)
+_SHIFT2: tl.constexpr = tl.constexpr(rng.MIX_SHIFT2)
+_SHIFT3: tl.constexpr = tl.constexpr(rng.MIX_SHIFT3)
+
+_ROUND_NEAREST: tl.constexpr = tl.constexpr(0)
+_ROUND_STOCHASTIC: tl.constexpr = tl.constexpr(1)
+_ROUND_KAHAN: tl.constexpr = tl.constexpr(2)
+_ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2}
+
+
+@triton.jit
+def _mix32(x):
+    # uint32 arithmetic wraps modulo 2**32, which is what rng.mix32 specifies.
+    x = x ^ (x >> _SHIFT1)
+    x = x * _MUL1
+    x = x ^ (x >> _SHIFT2)
+    x = x * _MUL2
+    x = x ^ (x >> _SHIFT3)
+    return x
+
+
+@triton.jit
+def _stochastic_round(x, key, hi, lo):
+    kb = _mix32(key.to(tl.uint32) ^ hi)
+    r = _mix32(lo ^ kb) & 0xFFFF
+    b = x.to(tl.uint32, bitcast=True) + r
+    return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _nearest_round(x):
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit(do_not_specialize=["key_p", "key_m", "key_v"])
+def _adamw_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    c_ptr,
+    n_elements,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    decay,
+    step_size,
+    inv_bias_correction2_sqrt,
+    key_p,
+    key_m,
+    key_v,
+    ROUNDING: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # int64 offsets: a ZeRO-3 flat partition can hold more than 2**31 elements.
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    # The block never crosses a 2**32 boundary, so the high index word is one scalar (see ops.rng).
+    hi = (start >> 32).to(tl.uint32)
+    lo = offsets.to(tl.uint32)
+
+    # Upcast to fp32: every intermediate in bf16 would round.
+    p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    if not DECOUPLED:
+        g = g + weight_decay * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * (g * g)
+    # The denominator uses the fp32 moments: rounding happens only on the final writes.
+    delta = -step_size * (m / (tl.sqrt(v) * inv_bias_correction2_sqrt + eps))
+    if DECOUPLED:
+        # Weight decay inside the same fp32 update and the same rounded write, so a sub-ulp lr*wd*p still counts.
+        delta = delta - decay * p
+
+    if ROUNDING == _ROUND_KAHAN:
+        c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        y = delta + c
+        p_out = _nearest_round(p + y)
+        # What the nearest rounding lost is exact in fp32; it is carried to the next step.
+        tl.store(c_ptr + offsets, _nearest_round(y - (p_out.to(tl.float32) - p)), mask=mask)
+        m_out = _stochastic_round(m, key_m, hi, lo)
+        v_out = _stochastic_round(v, key_v, hi, lo)
+    elif ROUNDING == _ROUND_STOCHASTIC:
+        p_out = _stochastic_round(p + delta, key_p, hi, lo)
+        m_out = _stochastic_round(m, key_m, hi, lo)
+        v_out = _stochastic_round(v, key_v, hi, lo)
+    else:
+        p_out = _nearest_round(p + delta)
+        m_out = _nearest_round(m)
+        v_out = _nearest_round(v)
+    tl.store(p_ptr + offsets, p_out, mask=mask)
+    tl.store(m_ptr + offsets, m_out, mask=mask)
+    tl.store(v_ptr + offsets, v_out, mask=mask)
+
+
+def adamw_update_triton_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    kahan_comp: torch.Tensor | None,
+    args: UpdateArgs,
+) -> None:
+    """Apply one Adam/AdamW step in place with one kernel launch (bf16 ``param``, ``exp_avg``, ``exp_avg_sq``).
+
+    Same contract and same random bits as :func:`lightning_pure_bf16.ops.adamw_torch.adamw_update_torch_`; all
+    buffers must be contiguous.
+    """
+    n = param.numel()
+    if n == 0:
+        return
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not t.is_contiguous():
+            raise ValueError(f"The Triton AdamW kernel needs contiguous buffers; `{name}` is not.")
+    if args.rounding == "kahan" and kahan_comp is None:
+        raise ValueError("`rounding='kahan'` needs the compensation buffer.")
+    grid = (triton.cdiv(n, BLOCK_SIZE),)
+    _adamw_kernel[grid](
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        kahan_comp if kahan_comp is not None else param,
+        n,
+        args.beta1,
+        1.0 - args.beta1,
+        args.beta2,
+        1.0 - args.beta2,
+        args.eps,
+        args.weight_decay,
+        args.lr * args.weight_decay,
+        args.lr / args.bias_correction1,
+        1.0 / args.bias_correction2_sqrt,
+        args.keys[0],
+        args.keys[1],
+        args.keys[2],
+        ROUNDING=_ROUNDING_CODES[args.rounding],
+        DECOUPLED=args.decoupled,
+        BLOCK=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
+    )
+
+
+__all__ = ["BLOCK_SIZE", "adamw_update_triton_"]

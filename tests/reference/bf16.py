@@ -1,0 +1,38 @@
+"""Independent references for bf16 rounding, written with float64 and torch.nextafter, not bit tricks."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest bf16 value <= x and the smallest bf16 value >= x, as float64."""
+    x64 = x.double()
+    nearest = x.to(torch.bfloat16)
+    up = torch.nextafter(nearest, torch.full_like(nearest, float("inf")))
+    down = torch.nextafter(nearest, torch.full_like(nearest, float("-inf")))
+    n64 = nearest.double()
+    lower = torch.where(n64 <= x64, n64, down.double())
+    upper = torch.where(n64 >= x64, n64, up.double())
+    return lower, upper
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Distance from each bf16 value to the next one away from zero, as float64."""
+    xb = x.to(torch.bfloat16)
+    away = torch.where(xb >= 0, torch.full_like(xb, float("inf")), torch.full_like(xb, float("-inf")))
+    return (torch.nextafter(xb, away).double() - xb.double()).abs()
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+
+# Tolerances of the optimizer math against a float64 torch.optim reference, per parameter dtype.
+TOLERANCES = {
+    torch.float32: Tolerance(rtol=1e-5, atol=1e-6),
+    # A few bf16 ulps (2**-8 relative) after several rounded steps.
+    torch.bfloat16: Tolerance(rtol=2e-2, atol=2e-3),
+}

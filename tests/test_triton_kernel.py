@@ -1,0 +1,89 @@
+"""The fused Triton kernel against the PyTorch path: on CPU through TRITON_INTERPRET=1 (set in conftest.py)."""
+
+import os
+
+import pytest
+import torch
+
+from lightning_pure_bf16 import Adam, AdamW
+
+pytest.importorskip("triton")
+
+SHAPES = [(6,), (42,), (123,), (431,), (1025,), (33, 129), (0,)]
+CPU_INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # bf16 values of the same sign are ordered like their 16-bit patterns; distance in representable steps.
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    ia = torch.where(ia < 0, -32768 - ia, ia)
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return (ia - ib).abs()
+
+
+def _run_both(opt_cls, shape, rounding, device, steps=3, **kw):
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    init = (torch.randn(shape, generator=g) * 0.5).to(torch.bfloat16).to(device)
+    results = []
+    for backend in ("torch", "triton"):
+        p = init.clone().requires_grad_()
+        opt = opt_cls([p], lr=1e-2, weight_decay=0.05, rounding=rounding, seed=2024, backend=backend, **kw)
+        for t in range(steps):
+            gt = torch.Generator().manual_seed(t)
+            p.grad = torch.randn(shape, generator=gt).to(torch.bfloat16).to(device)
+            opt.step()
+        results.append((p.detach(), opt.state[p]))
+    return results
+
+
+def _assert_agree(results, rounding):
+    (p_torch, s_torch), (p_triton, s_triton) = results
+    pairs = [(p_torch, p_triton), (s_torch["exp_avg"], s_triton["exp_avg"])]
+    pairs.append((s_torch["exp_avg_sq"], s_triton["exp_avg_sq"]))
+    if rounding == "kahan":
+        # The compensation holds the fp32 detail below the parameter's last bit, so an fp32 rounding difference
+        # anywhere in the update shows in it; what must agree is the value it represents, parameter + compensation.
+        c_torch, c_triton = s_torch["kahan_comp"], s_triton["kahan_comp"]
+        assert c_torch.dtype == c_triton.dtype == torch.bfloat16
+        total_torch = p_torch.double() + c_torch.double()
+        total_triton = p_triton.double() + c_triton.double()
+        torch.testing.assert_close(total_torch, total_triton, rtol=2**-16, atol=1e-9)
+    for a, b in pairs:
+        assert a.dtype == b.dtype == torch.bfloat16
+        if a.numel() == 0:
+            continue
+        identical = (a == b).float().mean().item()
+        assert identical >= 0.999, identical
+        assert _ulp_distance(a.cpu(), b.cpu()).max().item() <= 1
+
+
+@pytest.mark.skipif(not CPU_INTERPRETED, reason="runs the kernel through the Triton interpreter on CPU")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("opt_cls", [AdamW, Adam])
+def test_interpreted_kernel_agrees_with_torch_path(opt_cls, shape, rounding):
+    _assert_agree(_run_both(opt_cls, shape, rounding, "cpu"), rounding)
+
+
+@pytest.mark.skipif(not CPU_INTERPRETED, reason="runs the kernel through the Triton interpreter on CPU")
+def test_interpreted_kernel_draws_the_same_random_bits():
+    # lr=0 with an fp32 moment that is not a bf16 value: the written moment is decided by the random bits alone.
+    n = 2048
+    results = []
+    for backend in ("torch", "triton"):
+        p = torch.zeros(n, dtype=torch.bfloat16, requires_grad=True)
+        opt = AdamW([p], lr=0.0, betas=(1 / 3, 0.0), rounding="stochastic", seed=99, backend=backend)
+        p.grad = torch.ones(n, dtype=torch.bfloat16)  # exp_avg = 2/3, between two bf16 values
+        opt.step()
+        results.append(opt.state[p]["exp_avg"])
+    assert torch.equal(results[0], results[1])
+    rounded_up = (results[0].double() > 2 / 3).double().mean().item()
+    assert 0.1 < rounded_up < 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1 << 20,), (4097, 33)])
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+def test_cuda_kernel_agrees_with_torch_path(shape, rounding):
+    _assert_agree(_run_both(AdamW, shape, rounding, "cuda"), rounding)
