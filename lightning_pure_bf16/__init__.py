@@ -1,7 +1,17 @@
-"""Pure-bf16 training for PyTorch Lightning: bf16 parameters, gradients and optimizer states, no fp32 master copy."""
+"""Pure-bf16 training for PyTorch Lightning: bf16 parameters, gradients and optimizer states, no fp32 master copy.
+
+Importing the package registers ``"deepspeed_pure_bf16"`` and ``"deepspeed_pure_bf16_kahan"`` with Lightning, so
+``Trainer(strategy="deepspeed_pure_bf16")`` works in any script or LightningCLI config that imports it.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pure_bf16.optim import Adam, AdamW
+from lightning_pure_bf16.precision import PureBF16Precision
+from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["Adam", "AdamW", "__version__"]
+DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)
+
+__all__ = ["Adam", "AdamW", "DeepSpeedPureBF16Strategy", "PureBF16Precision", "__version__"]

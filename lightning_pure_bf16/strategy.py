@@ -1,0 +1,388 @@
+"""``Trainer(strategy="deepspeed_pure_bf16")``: DeepSpeed ZeRO-3 with bf16 parameters, gradients and optimizer states.
+
+The strategy configures DeepSpeed for bf16 master weights and optimizer states, makes ZeRO-3 use the parameter
+partition itself as the master partition (8 bytes/param of model state, 10 with Kahan), swaps the user's
+``torch.optim.AdamW``/``Adam`` for the pure-bf16 optimizer with the same hyperparameters, and runs on CUDA (NCCL) or
+on the CPU (gloo), where Lightning's own ``DeepSpeedStrategy`` refuses to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from datetime import timedelta
+from functools import wraps
+from typing import Any
+from weakref import ref
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.core.optimizer import LRSchedulerConfig
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.imports import RequirementCache
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pure_bf16._deepspeed_fixes import alias_bf16_master_partitions
+from lightning_pure_bf16.config import pure_bf16_deepspeed_config
+from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
+from lightning_pure_bf16.ops.rng import mix32
+from lightning_pure_bf16.optim.adamw import Adam, AdamW
+from lightning_pure_bf16.precision import PureBF16Precision
+
+log = logging.getLogger(__name__)
+
+_DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.1")
+# Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
+_ACCEPTED_PRECISION = ("32-true", "bf16-true")
+# torch.optim options the pure-bf16 optimizer cannot honour, with the value that means "off".
+_UNSUPPORTED_TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+# Group keys that belong to torch's implementation choice, not to the optimization problem.
+# DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
+_GPU_BUCKET = 200_000_000
+_CPU_BUCKET = 5_000_000
+_TORCH_ONLY_GROUP_KEYS = ("foreach", "fused", "decoupled_weight_decay", *_UNSUPPORTED_TORCH_OPTIONS)
+
+
+def _use_cpu_deepspeed_accelerator_if_no_cuda() -> None:
+    # DeepSpeed picks its accelerator once, at first use; without CUDA it must be told to use the CPU before that.
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The rounding seed of one data-parallel rank: each rank's partition gets an independent noise stream."""
+    return (mix32((seed ^ mix32(rank + 0x9E3779B9)) & 0xFFFFFFFF) << 32) | mix32((seed >> 32) ^ rank)
+
+
+class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO-3 in pure bf16: 8 bytes per parameter of model state (10 with Kahan), sharded.
+
+    Args:
+        accelerator: the accelerator (default: chosen by the Trainer; CUDA or CPU).
+        rounding: ``"stochastic"``, ``"kahan"`` or ``"nearest"``; used when the strategy converts a torch optimizer
+            (default: ``"stochastic"``).
+        seed: base seed of the rounding noise; each rank derives its own (default: ``None``, the optimizer's default,
+            from ``torch.initial_seed()``).
+        backend: optimizer backend, ``"auto"``, ``"triton"`` or ``"torch"`` (default: ``"auto"``).
+        stage: ZeRO stage; only ``3`` is supported (stages 1 and 2 keep a separate master copy) (default: ``3``).
+        config: a DeepSpeed config dict or JSON path merged over the strategy's own settings; settings that
+            contradict pure bf16 are an error (default: ``None``).
+        sub_group_size: elements per ZeRO-3 sub-group; one optimizer kernel launch each (default: ``1e9``).
+        reduce_bucket_size: elements per gradient reduce-scatter bucket (default: ``None``: ``2e8`` on CUDA, ``5e6``
+            on the CPU, where a 400 MB bucket makes every step slow).
+        allgather_bucket_size: elements per all-gather bucket (default: ``None``: as ``reduce_bucket_size``).
+        partition_activations: DeepSpeed activation checkpointing option (default: ``False``).
+        cpu_checkpointing: DeepSpeed activation checkpointing option (default: ``False``).
+        contiguous_memory_optimization: DeepSpeed activation checkpointing option (default: ``False``).
+        synchronize_checkpoint_boundary: DeepSpeed activation checkpointing option (default: ``False``).
+        **kwargs: passed to Lightning's ``DeepSpeedStrategy`` (``parallel_devices``, ``cluster_environment``,
+            ``process_group_backend``, ``timeout``, ``logging_level``, ``load_full_weights``...).
+    """
+
+    strategy_name = "deepspeed_pure_bf16"
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        *,
+        rounding: str = "stochastic",
+        seed: int | None = None,
+        backend: str = "auto",
+        stage: int = 3,
+        config: dict[str, Any] | str | os.PathLike | None = None,
+        sub_group_size: int = 1_000_000_000,
+        reduce_bucket_size: int | None = None,
+        allgather_bucket_size: int | None = None,
+        partition_activations: bool = False,
+        cpu_checkpointing: bool = False,
+        contiguous_memory_optimization: bool = False,
+        synchronize_checkpoint_boundary: bool = False,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        logging_level: int = logging.WARN,
+        **kwargs: Any,
+    ) -> None:
+        name = self.strategy_name
+        if not _DEEPSPEED_AVAILABLE:
+            raise ModuleNotFoundError(f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.1'`")
+        if stage != 3:
+            raise ValueError(
+                f"`DeepSpeedPureBF16Strategy(stage={stage})` is not supported: ZeRO stages 1 and 2 keep a separate master"
+                " copy of the weights. Use `stage=3`."
+            )
+        if rounding not in ROUNDING_MODES:
+            raise ValueError(f"`DeepSpeedPureBF16Strategy(rounding={rounding!r})` is not one of {ROUNDING_MODES}.")
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"`DeepSpeedPureBF16Strategy(seed={seed!r})` must be a non-negative int or None.")
+        for option in ("offload_optimizer", "offload_parameters", "zero_optimization"):
+            if kwargs.get(option) not in (None, False) and not (option == "zero_optimization" and kwargs[option]):
+                raise ValueError(f"`DeepSpeedPureBF16Strategy({option}=...)` is not supported: pure bf16 keeps all state on the device.")
+        _use_cpu_deepspeed_accelerator_if_no_cuda()
+        super().__init__(
+            accelerator=accelerator,
+            stage=3,
+            sub_group_size=sub_group_size,
+            reduce_bucket_size=reduce_bucket_size or _GPU_BUCKET,
+            allgather_bucket_size=allgather_bucket_size or _GPU_BUCKET,
+            partition_activations=partition_activations,
+            cpu_checkpointing=cpu_checkpointing,
+            contiguous_memory_optimization=contiguous_memory_optimization,
+            synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            logging_level=logging_level,
+            config=None,
+            **({"timeout": timeout} if timeout is not None else {}),
+            **kwargs,
+        )
+        user_config = self._load_config(config)
+        self.config = pure_bf16_deepspeed_config(self.config, user_config, strategy_name=name)
+        user_zero = (user_config or {}).get("zero_optimization", {})
+        self._default_buckets = [
+            key
+            for key, arg in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size))
+            if arg is None and key not in user_zero
+        ]
+        self.rounding = rounding
+        self.seed = seed
+        self.backend = backend
+        self._skipped_seen = 0
+
+    # ----------------------------------------------------------------------------------------------- registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        presets = {
+            "deepspeed_pure_bf16": ("DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding", {}),
+            "deepspeed_pure_bf16_kahan": ("DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation", {"rounding": "kahan"}),
+        }
+        for name, (description, init_params) in presets.items():
+            # override=True: importing the package twice (or reloading it) re-registers the same class harmlessly.
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+    # -------------------------------------------------------------------------------------------------- precision
+    @property
+    @override
+    def precision_plugin(self) -> PureBF16Precision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else PureBF16Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        if precision_plugin is None or isinstance(precision_plugin, PureBF16Precision):
+            self._precision_plugin = precision_plugin
+            return
+        flag = getattr(precision_plugin, "precision", None)
+        if flag not in _ACCEPTED_PRECISION or type(precision_plugin).__name__ not in ("DeepSpeedPrecision", "Precision"):
+            raise ValueError(
+                f"`Trainer(strategy='{self.strategy_name}', precision={flag!r})` is not supported: this strategy trains"
+                " in pure bf16. Leave `precision` unset or pass `precision='bf16-true'`."
+            )
+        self._precision_plugin = PureBF16Precision()
+
+    # ---------------------------------------------------------------------------------------- environment (CPU too)
+    @override
+    def setup_environment(self) -> None:
+        if not isinstance(self.accelerator, (CUDAAccelerator, CPUAccelerator)):
+            raise RuntimeError(
+                f"`Trainer(strategy='{self.strategy_name}')` runs on CUDA GPUs or the CPU, but"
+                f" `{type(self.accelerator).__name__}` is used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
+            )
+        if isinstance(self.accelerator, CPUAccelerator):
+            from deepspeed.accelerator import get_accelerator
+
+            if get_accelerator().device_name() != "cpu":
+                raise RuntimeError(
+                    f"`Trainer(strategy='{self.strategy_name}', accelerator='cpu')` needs DeepSpeed's CPU accelerator, but"
+                    f" DeepSpeed already chose '{get_accelerator().device_name()}'. Set `DS_ACCELERATOR=cpu` in the"
+                    " environment before starting Python."
+                )
+            for key in self._default_buckets:
+                self.config["zero_optimization"][key] = _CPU_BUCKET
+        # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        assert self.parallel_devices is not None
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_distributed()
+            return
+        # CPU devices carry no index, which Lightning's device-index validation rejects; there is nothing to validate.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Optimizer]:
+        import deepspeed
+
+        # DeepSpeed compares the device rank with 0; CPU devices have no index, so pass the local rank.
+        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        with alias_bf16_master_partitions():
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=device_rank),
+                config=self.config,
+                model=model,
+                model_parameters=model_parameters,
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+        return engine, ds_optimizer
+
+    # ------------------------------------------------------------------------------------------ optimizer adoption
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
+        optimizer, scheduler_config = super()._init_optimizers()
+        converted = self._convert_optimizer(optimizer)
+        if scheduler_config is not None and converted is not optimizer:
+            _rebind_scheduler(scheduler_config.scheduler, converted)
+        base_seed = self.seed if self.seed is not None else converted.seed
+        converted.seed = rank_seed(base_seed, self.global_rank)
+        converted.backend = self.backend if converted is not optimizer else converted.backend
+        # ZeRO-3 decides on non-finite gradients for all ranks at once (its all-reduced gradient norm) before any
+        # partition is updated; the optimizer sees one sub-group at a time and must not decide on its own.
+        converted.check_nonfinite = False
+        return converted, scheduler_config
+
+    def _convert_optimizer(self, optimizer: Optimizer) -> AdamW:
+        if isinstance(optimizer, AdamW):
+            rank_zero_info(f"{self.strategy_name}: using the given {type(optimizer).__name__} as is.")
+            return optimizer
+        kind = type(optimizer)
+        if kind not in (torch.optim.AdamW, torch.optim.Adam):
+            raise TypeError(
+                f"`Trainer(strategy='{self.strategy_name}')` can convert `torch.optim.AdamW` and `torch.optim.Adam`, but"
+                f" `configure_optimizers` returned `{kind.__module__}.{kind.__qualname__}`. Return one of those, or"
+                " `lightning_pure_bf16.AdamW`/`Adam` directly."
+            )
+        for option, off in _UNSUPPORTED_TORCH_OPTIONS.items():
+            for group in optimizer.param_groups:
+                if group.get(option, off) != off:
+                    raise ValueError(
+                        f"`torch.optim.{kind.__name__}({option}={group[option]!r})` cannot be converted to pure bf16 by"
+                        f" `Trainer(strategy='{self.strategy_name}')`. Remove `{option}`."
+                    )
+        if any(len(optimizer.state[p]) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                f"`Trainer(strategy='{self.strategy_name}')` cannot convert a `torch.optim.{kind.__name__}` that already"
+                " holds state. Create it fresh in `configure_optimizers`."
+            )
+        groups = [{k: v for k, v in g.items() if k not in _TORCH_ONLY_GROUP_KEYS} for g in optimizer.param_groups]
+        if kind is torch.optim.AdamW:
+            new: AdamW = AdamW(groups, rounding=self.rounding, seed=self.seed, backend=self.backend)
+        else:
+            decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
+            new = Adam(groups, rounding=self.rounding, seed=self.seed, backend=self.backend, decoupled_weight_decay=decoupled)
+        n_params = sum(len(g["params"]) for g in groups)
+        rank_zero_info(
+            f"{self.strategy_name}: replaced torch.optim.{kind.__name__} with lightning_pure_bf16.{type(new).__name__}"
+            f"(rounding={self.rounding!r}) on {len(groups)} param group(s), {n_params} tensors, same hyperparameters."
+        )
+        return new
+
+    @override
+    def _initialize_deepspeed_train(self, model: Module) -> None:
+        super()._initialize_deepspeed_train(model)
+        report = self.memory_report()
+        rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + _format_report(report))
+
+    # --------------------------------------------------------------------------------------- non-finite steps
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        skipped = int(getattr(self.deepspeed_engine, "skipped_steps", 0))
+        if skipped > self._skipped_seen:
+            base = self.pure_bf16_optimizer
+            for _ in range(skipped - self._skipped_seen):
+                base.record_skipped_step()
+            self._skipped_seen = skipped
+            rank_zero_warn(
+                f"{self.strategy_name}: a gradient was inf/NaN, the step was skipped on every rank"
+                f" ({base.skipped_steps} skipped so far)."
+            )
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            if trainer is not None:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"pure_bf16/skipped_steps": float(base.skipped_steps)}, step=trainer.global_step)
+        return output
+
+    # ------------------------------------------------------------------------------------------------ inspection
+    @property
+    def pure_bf16_optimizer(self) -> AdamW:
+        """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
+        return self.deepspeed_engine.optimizer.optimizer
+
+    def memory_report(self) -> dict[str, float]:
+        """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers.
+
+        Returns:
+            ``{"param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", "other_state", "total"}`` in bytes per
+            parameter of this rank's partition, and ``"params_on_rank"``, the partition's element count.
+        """
+        zero = self.deepspeed_engine.optimizer
+        params = [t for t in zero.fp16_partitioned_groups_flat if t is not None]
+        n = sum(t.numel() for t in params)
+        param_ptrs = {t.data_ptr() for t in params}
+        nbytes = {"param": sum(t.numel() * t.element_size() for t in params)}
+        grad_buffer = getattr(zero, "grad_partitions_flat_buffer", None)
+        nbytes["grad"] = grad_buffer.numel() * grad_buffer.element_size() if grad_buffer is not None else 0
+        nbytes["master"] = sum(
+            t.numel() * t.element_size() for t in zero.fp32_partitioned_groups_flat if t.data_ptr() not in param_ptrs
+        )
+        for key in ("exp_avg", "exp_avg_sq", "kahan_comp", "other_state"):
+            nbytes[key] = 0
+        for state in zero.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    slot = key if key in nbytes else "other_state"
+                    nbytes[slot] += value.numel() * value.element_size()
+        report = {k: v / max(n, 1) for k, v in nbytes.items()}
+        report["total"] = sum(report.values())
+        report["params_on_rank"] = float(n)
+        return report
+
+
+def _format_report(report: dict[str, float]) -> str:
+    parts = [f"{k} {v:.2f}" for k, v in report.items() if k not in ("total", "params_on_rank") and v]
+    return f"{report['total']:.2f} B/param ({', '.join(parts)}) over {int(report['params_on_rank'])} elements"
+
+
+def _rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point an LR scheduler built on the torch optimizer at the pure-bf16 one (same param group order and keys)."""
+    scheduler.optimizer = optimizer
+    # torch's LRScheduler marks optimizer.step to warn when the scheduler steps first; mark the new optimizer alike.
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = ref(optimizer)
+
+    @wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+__all__ = ["DeepSpeedPureBF16Strategy"]

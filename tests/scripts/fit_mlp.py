@@ -1,0 +1,180 @@
+"""Fits a small MLP with the pure-bf16 strategy and writes what the tests check to OUT/rank{R}.pt.
+
+Run as a script (Lightning's subprocess launcher starts the other ranks by re-running it):
+    python tests/scripts/fit_mlp.py OUT '{"devices": 2, "steps": 6}'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_pure_bf16
+from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+
+
+class MLP(LightningModule):
+    def __init__(self, opts: dict) -> None:
+        super().__init__()
+        self.opts = opts
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+        if opts.get("freeze_first"):
+            self.net[0].requires_grad_(False)
+        self.lrs: list[float] = []
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y.float())
+        nan_rank = self.opts.get("nan_rank")
+        if nan_rank is not None and self.global_rank == nan_rank and self.global_step == self.opts.get("nan_step", 2):
+            loss = loss * float("nan")
+        self.losses.append(loss.item())
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).float(), y.float()), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.net(x).float(), y.float()), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        kind = self.opts.get("optimizer", "torch_adamw")
+        groups = [
+            {"params": [p for n, p in self.net.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in self.net.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
+        ]
+        if kind == "torch_adamw":
+            opt = torch.optim.AdamW(groups, lr=1e-2)
+        elif kind == "torch_adam":
+            opt = torch.optim.Adam(groups, lr=1e-2)
+        elif kind == "torch_amsgrad":
+            opt = torch.optim.AdamW(groups, lr=1e-2, amsgrad=True)
+        elif kind == "sgd":
+            opt = torch.optim.SGD(groups, lr=1e-2)
+        elif kind == "pure":
+            opt = lightning_pure_bf16.AdamW(groups, lr=1e-2, rounding="kahan")
+        else:
+            raise ValueError(kind)
+        if not self.opts.get("scheduler"):
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def data(n: int = 256) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :1] * 0.5 + torch.sin(x[:, 1:2])).float()
+    return TensorDataset(x, y)
+
+
+def main(out: Path, opts: dict) -> None:
+    if opts.get("no_alias_fix"):
+        import contextlib
+
+        import lightning_pure_bf16.strategy as strategy_module
+
+        strategy_module.alias_bf16_master_partitions = contextlib.nullcontext
+    seed_everything(opts.get("seed", 1234), workers=True)
+    model = MLP(opts)
+    strategy = opts.get("strategy", "deepspeed_pure_bf16")
+    if isinstance(strategy, dict):
+        strategy = DeepSpeedPureBF16Strategy(**strategy)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=opts.get("devices", 2),
+        num_nodes=opts.get("num_nodes", 1),
+        strategy=strategy,
+        precision=opts.get("precision", "32-true"),
+        max_steps=opts.get("steps", 6),
+        limit_val_batches=2,
+        gradient_clip_val=opts.get("clip"),
+        accumulate_grad_batches=opts.get("accumulate", 1),
+        logger=CSVLogger(out, name="logs"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+    loader = DataLoader(data(), batch_size=16, shuffle=False)
+    trainer.fit(model, loader, loader)
+    strat = trainer.strategy
+    zero = strat.deepspeed_engine.optimizer
+    flat = [t.detach().clone() for t in zero.fp16_partitioned_groups_flat]
+    opt = strat.pure_bf16_optimizer
+    result = {
+        "rank": trainer.global_rank,
+        "flat_params": flat,
+        "state": {k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()} for k, v in enumerate(opt.state.values())},
+        "optimizer_class": type(opt).__name__,
+        "rounding": [g["rounding"] for g in opt.param_groups],
+        "group_wd": [g["weight_decay"] for g in opt.param_groups],
+        "seed": opt.seed,
+        "skipped_steps": opt.skipped_steps,
+        "memory_report": strat.memory_report(),
+        "losses": model.losses,
+        "lrs": model.lrs,
+        "global_step": trainer.global_step,
+        "precision": type(strat.precision_plugin).__name__,
+        "frozen_requires_grad": [p.requires_grad for p in model.net[0].parameters()],
+        "zero_optimizer": zero,
+    }
+    result["zero_buffers"] = [
+        (name, t.dtype, t.untyped_storage().nbytes()) for name, t in _all_tensors(zero)
+    ]
+    del result["zero_optimizer"]
+    result["gradient_clipping"] = strat.deepspeed_engine.gradient_clipping()
+    result["world_size"] = trainer.world_size
+    result["persistent_numel"] = sum(p.numel() for p in zero.parameter_offload.persistent_parameters)
+    if opts.get("eval_loops"):
+        result["validate"] = trainer.validate(model, loader, verbose=False)
+        result["test"] = trainer.test(model, loader, verbose=False)
+        preds = trainer.predict(model, DataLoader(data(32), batch_size=16))
+        result["predict_shapes"] = [tuple(p.shape) for p in preds]
+        result["predict_finite"] = all(bool(torch.isfinite(p.float()).all()) for p in preds)
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def _all_tensors(obj, prefix: str = "zero", seen: set | None = None, depth: int = 0) -> list:
+    """Every distinct tensor storage reachable from the ZeRO optimizer's attributes (an independent count)."""
+    seen = set() if seen is None else seen
+    found: list = []
+    if depth > 5:
+        return found
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            found.append((prefix, obj))
+        return found
+    if isinstance(obj, dict):
+        items = [(k if isinstance(k, (str, int)) else type(k).__name__, v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("deepspeed", "lightning_pure_bf16", "torch.optim")):
+        items = list(vars(obj).items())
+    else:
+        return found
+    for k, v in items:
+        found += _all_tensors(v, f"{prefix}.{k}", seen, depth + 1)
+    return found
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
