@@ -233,12 +233,10 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     ) -> tuple[Any, Optimizer]:
         import deepspeed
 
-        # DeepSpeed compares the device rank with 0; CPU devices have no index, so pass the local rank.
-        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
         with alias_bf16_master_partitions():
             engine, ds_optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=device_rank),
+                args=argparse.Namespace(device_rank=self._device_rank()),
                 config=self.config,
                 model=model,
                 model_parameters=model_parameters,
@@ -247,6 +245,35 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 dist_init_required=False,
             )
         return engine, ds_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        # As Lightning's own inference setup (bf16 and ZeRO-3 sections only), with a device rank DeepSpeed accepts.
+        assert isinstance(self.config, dict)
+        inference_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": self.config["bf16"],
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": self.config["zero_optimization"],
+        }
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+
+    def _device_rank(self) -> int:
+        # DeepSpeed compares the device rank with 0; CPU devices have no index, so pass the local rank.
+        index = self.root_device.index
+        return index if index is not None else self.local_rank
 
     # ------------------------------------------------------------------------------------------ optimizer adoption
     @override

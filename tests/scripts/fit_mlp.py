@@ -117,10 +117,20 @@ def main(out: Path, opts: dict) -> None:
     strat = trainer.strategy
     zero = strat.deepspeed_engine.optimizer
     flat = [t.detach().clone() for t in zero.fp16_partitioned_groups_flat]
+    # ZeRO-3 pads each parameter's partition; the padding is uninitialised memory, so compare real elements only.
+    real_masks = []
+    for group in zero.fp16_groups:
+        parts = []
+        for param in group:
+            pn = param.partition_numel()
+            real = max(0, min(pn, param.ds_numel - trainer.global_rank * pn))
+            parts.append(torch.arange(pn) < real)
+        real_masks.append(torch.cat(parts))
     opt = strat.pure_bf16_optimizer
     result = {
         "rank": trainer.global_rank,
         "flat_params": flat,
+        "real_masks": real_masks,
         "state": {k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()} for k, v in enumerate(opt.state.values())},
         "optimizer_class": type(opt).__name__,
         "rounding": [g["rounding"] for g in opt.param_groups],

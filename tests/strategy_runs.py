@@ -1,0 +1,48 @@
+"""Runs tests/scripts/*.py in fresh processes (Lightning launches the other ranks) and loads what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"))}
+    env.update({"PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}, **extra)
+    return env
+
+
+def run_script(script: str, out: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=_env(**env),
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def fit(out: Path, check: bool = True, **opts: object) -> subprocess.CompletedProcess:
+    return run_script("fit_mlp.py", out, json.dumps(opts), check=check)
+
+
+def load_ranks(out: Path, world_size: int = 2) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,211 @@
+"""The pure-bf16 strategy end to end: 2 CPU processes (gloo), small MLP, a few steps each."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_pure_bf16
+from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision
+from tests.strategy_runs import SCRIPTS, _env, fit, load_ranks
+
+# Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every buffer the
+# ZeRO optimizer holds is model state or a small fixed communication bucket.
+EXACT = {"config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}, "reduce_bucket_size": 10_000}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default")
+    fit(out, devices=2, steps=8, scheduler=True, eval_loops=True)
+    return load_ranks(out)
+
+
+@pytest.fixture(scope="module")
+def kahan_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kahan")
+    strategy = {**EXACT, "rounding": "kahan"}
+    fit(out, devices=2, steps=4, strategy=strategy, optimizer="torch_adam", clip=0.5, accumulate=2, freeze_first=True)
+    return load_ranks(out)
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory):
+    outs = [tmp_path_factory.mktemp(f"exact{i}") for i in range(2)]
+    for out in outs:
+        fit(out, devices=2, steps=5, strategy=EXACT)
+    return [load_ranks(out) for out in outs]
+
+
+def _state_buffers(result: dict) -> list[tuple[str, torch.dtype, int]]:
+    # Scalars (step counters, the norm, the overflow flag) and the fixed-size reduce bucket are not model state.
+    return [(n, d, b) for n, d, b in result["zero_buffers"] if b > 16 and ".ipg_buckets." not in n]
+
+
+def test_registered_names():
+    assert {"deepspeed_pure_bf16", "deepspeed_pure_bf16_kahan"} <= set(StrategyRegistry)
+    assert StrategyRegistry["deepspeed_pure_bf16_kahan"]["init_params"] == {"rounding": "kahan"}
+    DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)  # a second import must not fail
+
+
+def test_unchanged_module_trains_with_torch_adamw_and_scheduler(default_run):
+    for r in default_run:
+        assert r["optimizer_class"] == "AdamW"
+        assert r["rounding"] == ["stochastic", "stochastic"]
+        assert r["group_wd"] == [0.1, 0.0]  # param groups kept
+        assert r["precision"] == "PureBF16Precision"
+        assert r["global_step"] == 8
+        # The LambdaLR schedule 1/(1+step) is applied to the swapped optimizer.
+        assert r["lrs"] == pytest.approx([1e-2 / (1 + i) for i in range(8)])
+    losses = default_run[0]["losses"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def test_eval_loops_run(default_run):
+    r = default_run[0]
+    assert "val_loss" in r["validate"][0] and "test_loss" in r["test"][0]
+    assert r["predict_shapes"] == [(16, 1)] and r["predict_finite"]
+
+
+def test_model_state_is_8_bytes_per_param_all_bf16(exact_runs):
+    for r in exact_runs[0]:
+        report = r["memory_report"]
+        assert report["total"] == pytest.approx(8.0)
+        assert report["master"] == 0.0 and report["other_state"] == 0.0
+        assert r["persistent_numel"] == 0
+        buffers = _state_buffers(r)
+        assert all(dtype == torch.bfloat16 for _, dtype, _ in buffers), buffers
+        counted = sum(b for _, _, b in buffers) / report["params_on_rank"]
+        assert counted <= 8.0 + 1e-9, buffers
+
+
+def test_kahan_is_10_bytes_per_param(kahan_run):
+    for r in kahan_run:
+        report = r["memory_report"]
+        assert report["total"] == pytest.approx(10.0) and report["kahan_comp"] == pytest.approx(2.0)
+        buffers = _state_buffers(r)
+        assert all(dtype == torch.bfloat16 for _, dtype, _ in buffers)
+        assert sum(b for _, _, b in buffers) / report["params_on_rank"] <= 10.0 + 1e-9
+
+
+def test_adam_clipping_accumulation_and_frozen_layer(kahan_run):
+    n_trainable = 64 * 64 + 64 + 64 + 1  # the first Linear(16, 64) is frozen
+    total_on_ranks = sum(r["memory_report"]["params_on_rank"] for r in kahan_run)
+    assert n_trainable <= total_on_ranks < n_trainable + 2 * 64  # frozen layer: no partition, no state
+    for r in kahan_run:
+        assert r["optimizer_class"] == "Adam" and r["rounding"] == ["kahan", "kahan"]
+        assert r["gradient_clipping"] == 0.5
+        assert r["global_step"] == 4 and len(r["losses"]) == 8  # 2 micro-batches per optimizer step
+        assert r["frozen_requires_grad"] == [False, False]
+
+
+def test_same_seed_same_weights(exact_runs):
+    first, second = exact_runs
+    for a, b in zip(first, second):
+        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
+            assert real.sum() > 0
+            assert torch.equal(x[real], y[real])
+        assert a["seed"] == b["seed"]
+    assert first[0]["seed"] != first[1]["seed"]  # each rank has its own noise stream
+
+
+def test_nonfinite_gradient_on_one_rank_skips_everywhere(tmp_path):
+    fit(tmp_path, devices=2, steps=5, nan_rank=1, nan_step=2)
+    ranks = load_ranks(tmp_path)
+    for r in ranks:
+        assert r["skipped_steps"] == 1
+        assert all(torch.isfinite(t[m].float()).all() for t, m in zip(r["flat_params"], r["real_masks"]))
+        assert all(torch.isfinite(torch.tensor(x)) for x in r["losses"][3:])
+    # One skipped step: the step counters of the optimizer lag the trainer's by one.
+    assert all(int(s["step"]) == ranks[0]["global_step"] - 1 for s in ranks[0]["state"].values())
+    metrics = list(csv.DictReader(open(next(tmp_path.glob("logs/version_*/metrics.csv")))))
+    assert any(row.get("pure_bf16/skipped_steps") == "1.0" for row in metrics)
+
+
+def test_without_the_aliasing_fix_deepspeed_keeps_a_second_bf16_copy(tmp_path):
+    fit(tmp_path, devices=2, steps=1, strategy=EXACT, no_alias_fix=True)
+    report = load_ranks(tmp_path)[0]["memory_report"]
+    assert report["master"] == pytest.approx(2.0) and report["total"] == pytest.approx(10.0)
+
+
+def test_two_simulated_nodes(tmp_path):
+    procs = []
+    env = _env()
+    for node in range(2):
+        node_env = {**env, "NODE_RANK": str(node)}
+        args = [sys.executable, str(SCRIPTS / "fit_mlp.py"), str(tmp_path), json.dumps({"devices": 1, "num_nodes": 2})]
+        procs.append(subprocess.Popen(args, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    for r in load_ranks(tmp_path):
+        assert r["world_size"] == 2 and r["memory_report"]["total"] == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "match"),
+    [("sgd", "can convert `torch.optim.AdamW` and `torch.optim.Adam`"), ("torch_amsgrad", "amsgrad=True")],
+)
+def test_unconvertible_optimizer_is_a_clear_error(tmp_path, optimizer, match):
+    proc = fit(tmp_path, check=False, devices=1, steps=1, optimizer=optimizer)
+    assert proc.returncode != 0
+    assert match in proc.stderr
+
+
+def test_project_optimizer_passed_directly_is_used(tmp_path):
+    fit(tmp_path, devices=1, steps=2, optimizer="pure")
+    r = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert r["optimizer_class"] == "AdamW" and r["rounding"] == ["kahan", "kahan"]
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])
+def test_other_precision_flags_are_refused(precision):
+    with pytest.raises(ValueError, match=rf"precision='{precision}'\)` is not supported.*precision='bf16-true'"):
+        Trainer(accelerator="cpu", devices=1, strategy="deepspeed_pure_bf16", precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_default_and_bf16_true_precision_mean_pure_bf16(precision):
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="deepspeed_pure_bf16", precision=precision, logger=False)
+    assert isinstance(trainer.strategy.precision_plugin, PureBF16Precision)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 2}, "stage=2"),
+        ({"rounding": "up"}, "rounding='up'"),
+        ({"config": {"fp16": {"enabled": True}}}, "fp16.enabled"),
+        ({"config": {"bf16": {"bf16_master_weights_and_grads": False}}}, "bf16_master_weights_and_grads"),
+        ({"config": {"zero_optimization": {"stage": 2}}}, "ZeRO stage 3"),
+        ({"config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}, "offload_optimizer"),
+        ({"config": {"optimizer": {"type": "Adam"}}}, "`optimizer`"),
+        ({"config": {"data_types": {"grad_accum_dtype": "fp32"}}}, "grad_accum_dtype"),
+        ({"offload_optimizer": True}, "offload_optimizer"),
+    ],
+)
+def test_contradicting_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeepSpeedPureBF16Strategy(**kwargs)
+
+
+def test_user_config_is_merged():
+    strategy = DeepSpeedPureBF16Strategy(config={"zero_optimization": {"stage3_max_live_parameters": 123}, "wall_clock_breakdown": True})
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_max_live_parameters"] == 123
+    assert strategy.config["wall_clock_breakdown"] is True
+    assert strategy.config["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert strategy.config["zero_allow_untested_optimizer"] is True
+
+
+def test_package_import_registers_on_reimport():
+    import importlib
+
+    importlib.reload(lightning_pure_bf16)
+    assert "deepspeed_pure_bf16" in StrategyRegistry
