@@ -329,6 +329,12 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
+        zero = self.deepspeed_engine.optimizer
+        optimizer = self.pure_bf16_optimizer
+        # Allocate the moments now, in sub-group order (the order of the first step), so the report below is the
+        # steady state and a shortage of memory shows at setup.
+        for sub_group, flat in enumerate(zero.fp32_partitioned_groups_flat):
+            optimizer.init_state(flat, optimizer.param_groups[zero.sub_group_to_group_id[sub_group]])
         report = self.memory_report()
         rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + _format_report(report))
 

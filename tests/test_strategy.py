@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision
-from tests.strategy_runs import SCRIPTS, _env, fit, load_ranks
+from tests.strategy_runs import SCRIPTS, _env, fit, load_ranks, run_script
 
 # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every buffer the
 # ZeRO optimizer holds is model state or a small fixed communication bucket.
@@ -209,3 +209,24 @@ def test_package_import_registers_on_reimport():
 
     importlib.reload(lightning_pure_bf16)
     assert "deepspeed_pure_bf16" in StrategyRegistry
+
+
+@pytest.mark.parametrize("source", ["yaml", "argument"])
+def test_lightning_cli(tmp_path, source):
+    common = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=3", "--trainer.logger=false"]
+    common += [f"--trainer.default_root_dir={tmp_path}"]
+    common += ["--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=1"]
+    if source == "yaml":
+        config = tmp_path / "cfg.yaml"
+        config.write_text("trainer:\n  strategy: deepspeed_pure_bf16_kahan\n")
+        args = ["fit", "--config", str(config), *common]
+        expected = "kahan"
+    else:
+        args = ["fit", "--trainer.strategy", "deepspeed_pure_bf16", *common]
+        expected = "stochastic"
+    run_script("cli_mlp.py", tmp_path, *args)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"cli_rank{rank}.pt", weights_only=False)
+        assert r["strategy"] == "DeepSpeedPureBF16Strategy" and r["rounding"] == expected
+        assert r["optimizer"] == "AdamW" and r["global_step"] == 3 and r["world_size"] == 2
+        assert r["memory_report"]["total"] == pytest.approx(8.0 if expected == "stochastic" else 10.0)

@@ -205,7 +205,12 @@ class AdamW(Optimizer):
             self._update(p, group, use_triton)
         return loss
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Allocate the state of ``p`` (a parameter of ``group``) now instead of at its first step.
+
+        Callers that own the parameters (the ZeRO-3 strategy) use it so that memory is allocated, reported and, if
+        short, fails at setup rather than at the first step. Idempotent.
+        """
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.int64)
@@ -220,7 +225,7 @@ class AdamW(Optimizer):
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], use_triton: bool) -> None:
         grad = p.grad
-        state = self._init_state(p, group)
+        state = self.init_state(p, group)
         state["step"] += 1
         step = int(state["step"].item())
         beta1, beta2 = group["betas"]
