@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_pure_bf16._deepspeed_fixes import alias_bf16_master_partitions
 from lightning_pure_bf16.config import pure_bf16_deepspeed_config
+from lightning_pure_bf16.memory import format_report, zero3_model_state_report
 from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
 from lightning_pure_bf16.ops.rng import mix32
 from lightning_pure_bf16.optim.adamw import Adam, AdamW
@@ -329,14 +330,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
-        zero = self.deepspeed_engine.optimizer
-        optimizer = self.pure_bf16_optimizer
-        # Allocate the moments now, in sub-group order (the order of the first step), so the report below is the
-        # steady state and a shortage of memory shows at setup.
-        for sub_group, flat in enumerate(zero.fp32_partitioned_groups_flat):
-            optimizer.init_state(flat, optimizer.param_groups[zero.sub_group_to_group_id[sub_group]])
+        init_zero3_optimizer_state(self.deepspeed_engine.optimizer)
         report = self.memory_report()
-        rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + _format_report(report))
+        rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + format_report(report))
 
     # --------------------------------------------------------------------------------------- non-finite steps
     @override
@@ -368,35 +364,22 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers.
 
         Returns:
-            ``{"param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", "other_state", "total"}`` in bytes per
-            parameter of this rank's partition, and ``"params_on_rank"``, the partition's element count.
+            See :func:`lightning_pure_bf16.memory.zero3_model_state_report`: ``param``, ``grad``, ``master``,
+            ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``other_state`` and ``total`` in bytes per parameter of this
+            rank's partition, and ``params_on_rank``.
         """
-        zero = self.deepspeed_engine.optimizer
-        params = [t for t in zero.fp16_partitioned_groups_flat if t is not None]
-        n = sum(t.numel() for t in params)
-        param_ptrs = {t.data_ptr() for t in params}
-        nbytes = {"param": sum(t.numel() * t.element_size() for t in params)}
-        grad_buffer = getattr(zero, "grad_partitions_flat_buffer", None)
-        nbytes["grad"] = grad_buffer.numel() * grad_buffer.element_size() if grad_buffer is not None else 0
-        nbytes["master"] = sum(
-            t.numel() * t.element_size() for t in zero.fp32_partitioned_groups_flat if t.data_ptr() not in param_ptrs
-        )
-        for key in ("exp_avg", "exp_avg_sq", "kahan_comp", "other_state"):
-            nbytes[key] = 0
-        for state in zero.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    slot = key if key in nbytes else "other_state"
-                    nbytes[slot] += value.numel() * value.element_size()
-        report = {k: v / max(n, 1) for k, v in nbytes.items()}
-        report["total"] = sum(report.values())
-        report["params_on_rank"] = float(n)
-        return report
+        return zero3_model_state_report(self.deepspeed_engine.optimizer)
 
 
-def _format_report(report: dict[str, float]) -> str:
-    parts = [f"{k} {v:.2f}" for k, v in report.items() if k not in ("total", "params_on_rank") and v]
-    return f"{report['total']:.2f} B/param ({', '.join(parts)}) over {int(report['params_on_rank'])} elements"
+def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
+    """Allocate the pure-bf16 optimizer's state for every ZeRO-3 sub-group now, in sub-group order.
+
+    That is the order of the first step, so nothing changes but the time of allocation: the memory report at setup
+    is the steady state, and a shortage of memory shows at setup instead of at the first step.
+    """
+    optimizer = zero_optimizer.optimizer
+    for sub_group, flat in enumerate(zero_optimizer.fp32_partitioned_groups_flat):
+        optimizer.init_state(flat, optimizer.param_groups[zero_optimizer.sub_group_to_group_id[sub_group]])
 
 
 def _rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:

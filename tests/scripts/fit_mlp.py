@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+from lightning_pure_bf16.memory import reachable_tensors
 
 
 class MLP(LightningModule):
@@ -143,12 +144,10 @@ def main(out: Path, opts: dict) -> None:
         "global_step": trainer.global_step,
         "precision": type(strat.precision_plugin).__name__,
         "frozen_requires_grad": [p.requires_grad for p in model.net[0].parameters()],
-        "zero_optimizer": zero,
     }
     result["zero_buffers"] = [
-        (name, t.dtype, t.untyped_storage().nbytes()) for name, t in _all_tensors(zero)
+        (name, t.dtype, t.untyped_storage().nbytes()) for name, t in reachable_tensors(zero, "zero")
     ]
-    del result["zero_optimizer"]
     result["gradient_clipping"] = strat.deepspeed_engine.gradient_clipping()
     result["world_size"] = trainer.world_size
     result["persistent_numel"] = sum(p.numel() for p in zero.parameter_offload.persistent_parameters)
@@ -159,31 +158,6 @@ def main(out: Path, opts: dict) -> None:
         result["predict_shapes"] = [tuple(p.shape) for p in preds]
         result["predict_finite"] = all(bool(torch.isfinite(p.float()).all()) for p in preds)
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
-
-
-def _all_tensors(obj, prefix: str = "zero", seen: set | None = None, depth: int = 0) -> list:
-    """Every distinct tensor storage reachable from the ZeRO optimizer's attributes (an independent count)."""
-    seen = set() if seen is None else seen
-    found: list = []
-    if depth > 5:
-        return found
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            found.append((prefix, obj))
-        return found
-    if isinstance(obj, dict):
-        items = [(k if isinstance(k, (str, int)) else type(k).__name__, v) for k, v in obj.items()]
-    elif isinstance(obj, (list, tuple)):
-        items = list(enumerate(obj))
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("deepspeed", "lightning_pure_bf16", "torch.optim")):
-        items = list(vars(obj).items())
-    else:
-        return found
-    for k, v in items:
-        found += _all_tensors(v, f"{prefix}.{k}", seen, depth + 1)
-    return found
 
 
 if __name__ == "__main__":

@@ -1,0 +1,176 @@
+"""Model-state memory per parameter, measured: pure bf16 (SR, Kahan) against DeepSpeed's bf16-master flags and bf16-mixed.
+
+Every configuration runs the same model, world size and ZeRO-3 settings through ``deepspeed.initialize`` and two
+training steps, then reads bytes per parameter by category from the live buffers
+(``lightning_pure_bf16.memory.zero3_model_state_report``). The pure-bf16 rows use exactly what
+``DeepSpeedPureBF16Strategy`` uses (its config builder, master aliasing and state allocation). Peak memory is
+``torch.cuda.max_memory_allocated`` on CUDA; on the CPU it is the sum of every tensor reachable from the engine
+(parameters, optimizer, buckets), a tracked-buffer count.
+
+    python benchmarks/memory.py            # 2 ranks on the CPU (gloo), ~4.2M-parameter MLP
+    python benchmarks/memory.py --quick    # ~0.3M parameters
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+RESULTS = Path(__file__).parent / "results"
+CONFIGS = ("pure_bf16_stochastic", "pure_bf16_kahan", "deepspeed_bf16_master", "deepspeed_bf16_mixed")
+LABELS = {
+    "pure_bf16_stochastic": "this strategy, stochastic rounding",
+    "pure_bf16_kahan": "this strategy, Kahan",
+    "deepspeed_bf16_master": "DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states",
+    "deepspeed_bf16_mixed": "DeepSpeed bf16 (fp32 masters and moments)",
+}
+# Every parameter partitioned and small buckets: what is measured is model state, not fixed communication buffers.
+ZERO = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
+
+
+def make_model(width: int, depth: int) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(64, width)]
+    for _ in range(depth):
+        layers += [nn.GELU(), nn.Linear(width, width)]
+    layers += [nn.GELU(), nn.Linear(width, 1)]
+    return nn.Sequential(*layers)
+
+
+def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int, device: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ["LOCAL_RANK"] = str(rank)
+    if device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import argparse as ap
+
+    import deepspeed
+
+    from lightning_pure_bf16 import AdamW
+    from lightning_pure_bf16._deepspeed_fixes import alias_bf16_master_partitions
+    from lightning_pure_bf16.config import pure_bf16_deepspeed_config
+    from lightning_pure_bf16.memory import reachable_tensors, zero3_model_state_report
+    from lightning_pure_bf16.strategy import init_zero3_optimizer_state
+
+    deepspeed.init_distributed("gloo" if device == "cpu" else "nccl", dist_init_required=True)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = make_model(width, depth).to(torch.bfloat16)
+    base = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": dict(ZERO), "zero_allow_untested_optimizer": True}
+    if name.startswith("pure_bf16"):
+        config = pure_bf16_deepspeed_config(base)
+        optimizer: torch.optim.Optimizer = AdamW(model.parameters(), lr=1e-3, rounding=name.rsplit("_", 1)[1])
+        optimizer.check_nonfinite = False
+        context = alias_bf16_master_partitions()
+    else:
+        bf16 = {"enabled": True}
+        if name == "deepspeed_bf16_master":
+            bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        config = {**base, "bf16": bf16}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        from contextlib import nullcontext
+
+        context = nullcontext()
+    with context:
+        engine, _, _, _ = deepspeed.initialize(
+            args=ap.Namespace(device_rank=rank), model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
+    if name.startswith("pure_bf16"):
+        init_zero3_optimizer_state(engine.optimizer)
+    dev = engine.device
+    for _ in range(2):
+        x = torch.randn(8, 64, device=dev, dtype=torch.bfloat16)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    report = zero3_model_state_report(engine.optimizer)
+    tracked = sum(t.untyped_storage().nbytes() for _, t in reachable_tensors(engine.optimizer))
+    tracked += sum(p.untyped_storage().nbytes() for p in engine.module.parameters() if p.untyped_storage().nbytes())
+    report["peak_per_param"] = (
+        torch.cuda.max_memory_allocated() if device == "cuda" else tracked
+    ) / report["params_on_rank"]
+    if rank == 0:
+        torch.save(report, out)
+    deepspeed.comm.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(name: str, world: int, width: int, depth: int, device: str) -> dict[str, float]:
+    """Run one configuration on ``world`` processes and return rank 0's report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report.pt")
+        mp.start_processes(_worker, args=(world, _free_port(), name, width, depth, device, out), nprocs=world,
+                           start_method="spawn")
+        return torch.load(out, weights_only=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~0.3M-parameter model")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, all GPUs on CUDA")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    world = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    width, depth = (256, 4) if args.quick else (1024, 4)
+    if args.device == "cuda" and not args.quick:
+        width, depth = 4096, 8
+    out_dir = args.out or (RESULTS / "gpu" if args.device == "cuda" else RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n_params = sum(p.numel() for p in make_model(width, depth).parameters())
+
+    rows = []
+    for name in CONFIGS:
+        report = measure(name, world, width, depth, args.device)
+        rows.append({"config": name, **{k: round(v, 3) for k, v in report.items()}})
+        print(f"{name:24s} {report['total']:.2f} B/param model state", file=sys.stderr)
+
+    stem = "memory_quick" if args.quick else "memory"
+    command = "python benchmarks/memory.py" + (" --quick" if args.quick else "") + (
+        f" --world-size {args.world_size}" if args.world_size else ""
+    )
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
+    peak_label = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "tracked buffers (incl. buckets)"
+    reference = rows[0]["total"]
+    lines = [
+        f"# Model-state memory: {n_params:,} parameters, ZeRO-3 on {world} rank(s), {device_name}",
+        "",
+        f"Command: `{command}`. Bytes per parameter of each rank's partition, measured from the live buffers after two"
+        f" steps. Peak: {peak_label}, per parameter of the partition.",
+        "",
+        "| configuration | param | grad | master | exp_avg | exp_avg_sq | kahan | total B/param | vs this strategy | peak B/param |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {LABELS[r['config']]} | {r['param']:.2f} | {r['grad']:.2f} | {r['master']:.2f} | {r['exp_avg']:.2f} |"
+            f" {r['exp_avg_sq']:.2f} | {r['kahan_comp']:.2f} | **{r['total']:.2f}** | {r['total'] / reference:.2f}x |"
+            f" {r['peak_per_param']:.2f} |"
+        )
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nwrote {out_dir / f'{stem}.csv'} and {out_dir / f'{stem}.md'}\nreproduce: {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

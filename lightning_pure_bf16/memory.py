@@ -1,0 +1,87 @@
+"""Model-state memory accounting, measured from live ZeRO-3 buffers (used by the strategy, tests and benchmarks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", "other_state")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
+    """Bytes per parameter of this rank's partition, by category, read from a ZeRO-3 optimizer's buffers.
+
+    ``param`` is the bf16 parameter partition, ``grad`` ZeRO-3's persistent gradient partition buffer, ``master``
+    the master partition when it is a separate copy (0 when it is the parameter partition itself), then every tensor
+    of the inner optimizer's state that has one element per parameter. Parameters ZeRO-3 keeps gathered on every rank
+    (below ``stage3_param_persistence_threshold``) and fixed-size communication buckets are not model state and are
+    not counted here; :func:`reachable_tensors` finds them.
+
+    Returns:
+        One entry per name in :data:`CATEGORIES` plus ``"total"`` (bytes/param) and ``"params_on_rank"`` (elements).
+    """
+    params = [t for t in zero_optimizer.fp16_partitioned_groups_flat if t is not None]
+    n = sum(t.numel() for t in params)
+    param_ptrs = {t.data_ptr() for t in params}
+    nbytes = dict.fromkeys(CATEGORIES, 0)
+    nbytes["param"] = sum(_nbytes(t) for t in params)
+    grad_buffer = getattr(zero_optimizer, "grad_partitions_flat_buffer", None)
+    nbytes["grad"] = _nbytes(grad_buffer) if grad_buffer is not None else 0
+    nbytes["master"] = sum(
+        _nbytes(t) for t in zero_optimizer.fp32_partitioned_groups_flat if t.data_ptr() not in param_ptrs
+    )
+    for state in zero_optimizer.optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                nbytes[key if key in nbytes else "other_state"] += _nbytes(value)
+    report = {k: v / max(n, 1) for k, v in nbytes.items()}
+    report["total"] = sum(report.values())
+    report["params_on_rank"] = float(n)
+    return report
+
+
+def format_report(report: dict[str, float]) -> str:
+    """One line: ``8.00 B/param (param 2.00, grad 2.00, ...) over N elements``."""
+    parts = [f"{k} {report[k]:.2f}" for k in CATEGORIES if report.get(k)]
+    return f"{report['total']:.2f} B/param ({', '.join(parts)}) over {int(report['params_on_rank'])} elements"
+
+
+def reachable_tensors(obj: Any, prefix: str = "", *, max_depth: int = 6) -> list[tuple[str, torch.Tensor]]:
+    """Every distinct tensor storage reachable through the attributes, dicts and lists of ``obj``.
+
+    Follows objects from DeepSpeed, torch.optim and this package only. An independent count of what a ZeRO optimizer
+    holds, for tests and benchmarks.
+    """
+    seen: set[int] = set()
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(o: Any, path: str, depth: int) -> None:
+        if depth > max_depth:
+            return
+        if isinstance(o, torch.Tensor):
+            storage = o.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                found.append((path, o))
+            return
+        if isinstance(o, dict):
+            items = [(k if isinstance(k, (str, int)) else type(k).__name__, v) for k, v in o.items()]
+        elif isinstance(o, (list, tuple)):
+            items = list(enumerate(o))
+        elif hasattr(o, "__dict__") and type(o).__module__.startswith(("deepspeed", "lightning_pure_bf16", "torch.optim")):
+            items = list(vars(o).items())
+        else:
+            return
+        for k, v in items:
+            walk(v, f"{path}.{k}" if path else str(k), depth + 1)
+
+    walk(obj, prefix, 0)
+    return found
+
+
+__all__ = ["CATEGORIES", "format_report", "reachable_tensors", "zero3_model_state_report"]
