@@ -6,6 +6,7 @@ Importing the package registers ``"deepspeed_pure_bf16"`` and ``"deepspeed_pure_
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.precision import PureBF16Precision
 from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
@@ -14,4 +15,12 @@ __version__ = "0.1.0"
 
 DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)
 
-__all__ = ["Adam", "AdamW", "DeepSpeedPureBF16Strategy", "PureBF16Precision", "__version__"]
+__all__ = [
+    "Adam",
+    "AdamW",
+    "CheckpointError",
+    "DeepSpeedPureBF16Strategy",
+    "PureBF16Precision",
+    "__version__",
+    "consolidate_checkpoint",
+]

@@ -31,6 +31,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pure_bf16._deepspeed_fixes import alias_bf16_master_partitions
+from lightning_pure_bf16.checkpoint import TAG as CHECKPOINT_TAG
+from lightning_pure_bf16.checkpoint import (
+    CheckpointError,
+    clear_staging,
+    commit_staged,
+    staging_path,
+    validate_checkpoint,
+    write_manifest,
+)
 from lightning_pure_bf16.config import pure_bf16_deepspeed_config
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
 from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
@@ -333,6 +342,55 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         init_zero3_optimizer_state(self.deepspeed_engine.optimizer)
         report = self.memory_report()
         rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + format_report(report))
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
+        """Save DeepSpeed's sharded checkpoint to a staging directory, then move it into place when complete.
+
+        An interrupted save leaves the previous checkpoint at ``filepath`` untouched.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by `{type(self).__name__}`:"
+                " DeepSpeed writes the checkpoint itself."
+            )
+        filepath = self.broadcast(os.fspath(filepath))
+        if self.is_global_zero:
+            clear_staging(filepath)
+        self.barrier("pure_bf16_save_start")
+        staged = staging_path(filepath)
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.deepspeed_engine.save_checkpoint(
+            os.fspath(staged), client_state=client_state, tag=CHECKPOINT_TAG,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+        )
+        self.barrier("pure_bf16_save_written")
+        if self.is_global_zero:
+            write_manifest(staged, self.world_size, global_step=checkpoint.get("global_step"))
+            commit_staged(filepath)
+        self.barrier("pure_bf16_save_done")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Check the checkpoint (complete, untruncated, same world size, bf16 masters), then let DeepSpeed load it."""
+        if self.load_full_weights:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        directory, _ = validate_checkpoint(checkpoint_path, world_size=self.world_size)
+        is_fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.deepspeed_engine.load_checkpoint(
+            os.fspath(directory),
+            tag=CHECKPOINT_TAG,
+            load_optimizer_states=is_fitting,
+            load_lr_scheduler_states=False,
+            load_module_strict=self.lightning_module.strict_loading,
+        )
+        if client_state is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint '{checkpoint_path}'.")
+        self._skipped_seen = int(getattr(self.deepspeed_engine, "skipped_steps", 0))
+        return client_state
 
     # --------------------------------------------------------------------------------------- non-finite steps
     @override

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -108,13 +109,26 @@ def main(out: Path, opts: dict) -> None:
         gradient_clip_val=opts.get("clip"),
         accumulate_grad_batches=opts.get("accumulate", 1),
         logger=CSVLogger(out, name="logs"),
-        enable_checkpointing=False,
+        enable_checkpointing=bool(opts.get("ckpt_every")),
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=opts["ckpt_every"], save_top_k=-1)]
+        if opts.get("ckpt_every")
+        else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
     )
     loader = DataLoader(data(), batch_size=16, shuffle=False)
-    trainer.fit(model, loader, loader)
+    if opts.get("init_weights"):
+        from safetensors.torch import load_file
+
+        model.to(torch.bfloat16).load_state_dict(load_file(opts["init_weights"]), strict=True)
+        result_init = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save(result_init, out / "init_weights_loaded.pt")
+    if opts.get("kill_during_save"):
+        _kill_after_first_staged_file()
+    trainer.fit(model, loader, loader, ckpt_path=opts.get("ckpt_path"))
+    if opts.get("save_at_end"):
+        trainer.save_checkpoint(opts["save_at_end"])
     strat = trainer.strategy
     zero = strat.deepspeed_engine.optimizer
     flat = [t.detach().clone() for t in zero.fp16_partitioned_groups_flat]
@@ -157,7 +171,28 @@ def main(out: Path, opts: dict) -> None:
         preds = trainer.predict(model, DataLoader(data(32), batch_size=16))
         result["predict_shapes"] = [tuple(p.shape) for p in preds]
         result["predict_finite"] = all(bool(torch.isfinite(p.float()).all()) for p in preds)
+    if opts.get("gather_full"):
+        import deepspeed
+
+        params = dict(model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result["full_state"] = full
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def _kill_after_first_staged_file() -> None:
+    """Simulate a crash in the middle of a save: exit right after the first file of the staged save is written."""
+    import os
+
+    original = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        original(obj, f, *args, **kwargs)
+        if ".pure_bf16_tmp" in str(f):
+            os._exit(17)
+
+    torch.save = save
 
 
 if __name__ == "__main__":

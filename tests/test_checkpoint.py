@@ -1,0 +1,179 @@
+"""Checkpoints with the pure-bf16 strategy: exact resume, consolidation, world-size change, bad and interrupted saves."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_pure_bf16 import CheckpointError, consolidate_checkpoint
+from lightning_pure_bf16.checkpoint import MANIFEST, staging_path, validate_checkpoint
+from tests.strategy_runs import fit, load_ranks, run_script
+
+# 256 samples, batch 16, 2 ranks: 8 steps per epoch. The checkpoint at step 8 is an epoch boundary: Lightning replays
+# a plain DataLoader from the start of the epoch when resuming mid-epoch, which would change the data, not the state.
+RUN = {"devices": 2, "strategy": {"rounding": "kahan"}, "scheduler": True, "nan_rank": 0, "nan_step": 2}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    fit(out, steps=11, ckpt_every=8, save_at_end=str(out / "final"), gather_full=True, **RUN)
+    return out, load_ranks(out)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, uninterrupted):
+    out = tmp_path_factory.mktemp("resumed")
+    fit(out, steps=11, ckpt_path=str(uninterrupted[0] / "ckpts" / "epoch=0-step=8.ckpt"), **RUN)
+    return load_ranks(out)
+
+
+def test_resume_equals_uninterrupted_run_bit_for_bit(uninterrupted, resumed):
+    for a, b in zip(uninterrupted[1], resumed):
+        assert b["global_step"] == a["global_step"] == 11
+        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
+            assert torch.equal(x[real], y[real])
+        for sa, sb, real in zip(a["state"].values(), b["state"].values(), a["real_masks"]):
+            assert set(sa) == set(sb) == {"step", "stream", "exp_avg", "exp_avg_sq", "kahan_comp"}
+            assert torch.equal(sa["step"], sb["step"])
+            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+                assert torch.equal(sa[key][real], sb[key][real]), key
+        assert b["seed"] == a["seed"] and b["skipped_steps"] == a["skipped_steps"] == 1
+        assert b["lrs"] == a["lrs"][8:]  # the LR schedule continues where it stopped
+        assert b["losses"] == a["losses"][8:]
+
+
+def test_consolidated_weights_equal_live_weights_and_load_strict(uninterrupted):
+    out, ranks = uninterrupted
+    state = consolidate_checkpoint(out / "final")
+    live = ranks[0]["full_state"]
+    assert set(state) == set(live)
+    for key, value in live.items():
+        assert state[key].dtype == torch.bfloat16
+        assert torch.equal(state[key], value), key
+    from tests.scripts.fit_mlp import MLP
+
+    MLP({}).to(torch.bfloat16).load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_consolidate_command(uninterrupted, tmp_path, suffix):
+    target = tmp_path / f"weights{suffix}"
+    cmd = [sys.executable, "-m", "lightning_pure_bf16.consolidate", str(uninterrupted[0] / "final"), str(target)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {target}" in proc.stdout and "bfloat16" in proc.stdout
+    loaded = load_file(target) if suffix == ".safetensors" else torch.load(target, weights_only=True)
+    expected = uninterrupted[1][0]["full_state"]
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+def test_consolidate_command_refuses_unknown_extension(uninterrupted, tmp_path):
+    cmd = [sys.executable, "-m", "lightning_pure_bf16.consolidate", str(uninterrupted[0] / "final"), str(tmp_path / "w.txt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "use .safetensors or .pt" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_world_size_change_through_consolidation(uninterrupted, tmp_path):
+    weights = tmp_path / "weights.safetensors"
+    from lightning_pure_bf16.checkpoint import save_state_dict
+
+    save_state_dict(consolidate_checkpoint(uninterrupted[0] / "final"), weights)
+    fit(tmp_path, devices=1, steps=2, init_weights=str(weights))
+    loaded = torch.load(tmp_path / "init_weights_loaded.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in uninterrupted[1][0]["full_state"].items())
+    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["global_step"] == 2
+
+
+def test_resuming_at_another_world_size_is_a_clear_error(uninterrupted, tmp_path):
+    proc = fit(tmp_path, check=False, devices=1, steps=12, ckpt_path=str(uninterrupted[0] / "final"))
+    assert proc.returncode != 0
+    assert "written by 2 ranks and this run has 1" in proc.stderr and "lightning_pure_bf16.consolidate" in proc.stderr
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
+    target = tmp_path / "last.ckpt"
+    shutil.copytree(uninterrupted[0] / "final", target)
+    proc = fit(tmp_path, check=False, devices=2, steps=2, seed=7, save_at_end=str(target), kill_during_save=True)
+    assert proc.returncode != 0
+    staged = staging_path(target)
+    assert staged.is_dir() and not (staged / MANIFEST).exists()  # the save really was cut off midway
+    validate_checkpoint(target, world_size=2)
+    state = consolidate_checkpoint(target)
+    assert all(torch.equal(state[k], v) for k, v in uninterrupted[1][0]["full_state"].items())
+    with pytest.raises(CheckpointError, match="did not finish"):
+        validate_checkpoint(staged)
+
+
+def _copy(uninterrupted, tmp_path):
+    target = tmp_path / "copy.ckpt"
+    shutil.copytree(uninterrupted[0] / "final", target)
+    return target
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        validate_checkpoint(tmp_path / "nope.ckpt")
+
+
+def test_single_file_is_not_a_pure_bf16_checkpoint(tmp_path):
+    (tmp_path / "model.ckpt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        validate_checkpoint(tmp_path / "model.ckpt")
+
+
+def test_truncated_file_is_named(uninterrupted, tmp_path):
+    target = _copy(uninterrupted, tmp_path)
+    victim = sorted((target / "checkpoint").glob("*optim_states.pt"))[1]
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"'{victim}' is truncated"):
+        validate_checkpoint(target)
+    with pytest.raises(CheckpointError, match="truncated"):
+        consolidate_checkpoint(target)
+
+
+def test_missing_file_is_named(uninterrupted, tmp_path):
+    target = _copy(uninterrupted, tmp_path)
+    victim = sorted((target / "checkpoint").glob("*model_states.pt"))[0]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=rf"'{victim}' is missing"):
+        validate_checkpoint(target)
+
+
+def test_resuming_a_truncated_checkpoint_fails_before_training(uninterrupted, tmp_path):
+    target = _copy(uninterrupted, tmp_path)
+    victim = sorted((target / "checkpoint").glob("*optim_states.pt"))[0]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    proc = fit(tmp_path, check=False, devices=2, steps=12, ckpt_path=str(target))
+    assert proc.returncode != 0 and "is truncated or was overwritten" in proc.stderr
+    assert not (tmp_path / "rank0.pt").exists()
+
+
+@pytest.fixture(scope="module")
+def fp32_master_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixed")
+    run_script("ds_mixed_checkpoint.py", out)
+    return out / "mixed"
+
+
+def test_fp32_master_checkpoint_cannot_be_resumed(fp32_master_checkpoint):
+    with pytest.raises(CheckpointError, match="fp32 master weights.*lightning_pure_bf16.consolidate"):
+        validate_checkpoint(fp32_master_checkpoint)
+
+
+def test_fp32_master_checkpoint_is_converted_with_a_message(fp32_master_checkpoint, capsys):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = consolidate_checkpoint(fp32_master_checkpoint)
+    assert "holds fp32 master weights" in capsys.readouterr().out
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(fp32_master_checkpoint), tag="checkpoint")
+    assert set(state) == set(reference)
+    for key, value in reference.items():
+        assert value.dtype == torch.float32
+        assert torch.equal(state[key], value.to(torch.bfloat16))
