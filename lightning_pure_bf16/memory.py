@@ -8,6 +8,24 @@ import torch
 
 CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", "other_state")
 
+# Model-state bytes per trainable parameter under ZeRO-3, by category, for the configurations the project compares.
+# benchmarks/memory.py measures every one of them from live buffers; tests/test_plan.py checks the two agree.
+MODEL_STATE_BYTES: dict[str, dict[str, int]] = {
+    "pure_bf16_stochastic": {"param": 2, "grad": 2, "exp_avg": 2, "exp_avg_sq": 2},
+    "pure_bf16_kahan": {"param": 2, "grad": 2, "exp_avg": 2, "exp_avg_sq": 2, "kahan_comp": 2},
+    # bf16_master_weights_and_grads + bf16_optimizer_states: a second bf16 copy as master.
+    "deepspeed_bf16_master": {"param": 2, "grad": 2, "master": 2, "exp_avg": 2, "exp_avg_sq": 2},
+    # DeepSpeed's bf16 default: fp32 master weights and fp32 moments.
+    "deepspeed_bf16_mixed": {"param": 2, "grad": 2, "master": 4, "exp_avg": 4, "exp_avg_sq": 4},
+}
+# A frozen parameter has no gradient, master or moments: only its bf16 partition.
+FROZEN_BYTES = 2
+
+
+def bytes_per_param(config: str) -> int:
+    """Total model-state bytes per trainable parameter of one of :data:`MODEL_STATE_BYTES`' configurations."""
+    return sum(MODEL_STATE_BYTES[config].values())
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -84,4 +102,12 @@ def reachable_tensors(obj: Any, prefix: str = "", *, max_depth: int = 6) -> list
     return found
 
 
-__all__ = ["CATEGORIES", "format_report", "reachable_tensors", "zero3_model_state_report"]
+__all__ = [
+    "CATEGORIES",
+    "FROZEN_BYTES",
+    "MODEL_STATE_BYTES",
+    "bytes_per_param",
+    "format_report",
+    "reachable_tensors",
+    "zero3_model_state_report",
+]

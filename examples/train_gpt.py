@@ -1,0 +1,55 @@
+"""Train the small byte-level GPT of ``gpt.py`` with ``Trainer(strategy="deepspeed_pure_bf16")``.
+
+On a CPU-only machine it runs 2 processes (gloo) for a few minutes; on a GPU machine it uses the GPUs. It ends by
+printing the validation loss, the training throughput and the measured model-state memory per parameter.
+
+    python examples/train_gpt.py                        # the defaults below
+    python examples/train_gpt.py --rounding kahan --max-steps 500
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from gpt import GPTModule, StdlibBytes, TrainingReport
+from lightning.pytorch import Trainer, seed_everything
+
+from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+
+
+def main() -> None:
+    on_gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=torch.cuda.device_count() if on_gpu else 2)
+    parser.add_argument("--max-steps", type=int, default=2000 if on_gpu else 400)
+    parser.add_argument("--rounding", choices=("stochastic", "kahan", "nearest"), default="stochastic")
+    parser.add_argument("--batch-size", type=int, default=64 if on_gpu else 16, help="per process")
+    parser.add_argument("--n-layer", type=int, default=6 if on_gpu else 4)
+    parser.add_argument("--n-embd", type=int, default=384 if on_gpu else 128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    seed_everything(args.seed)
+    model = GPTModule(n_layer=args.n_layer, n_embd=args.n_embd, n_head=max(4, args.n_embd // 64), lr=args.lr,
+                      max_steps=args.max_steps)
+    data = StdlibBytes(batch_size=args.batch_size, train_windows=args.max_steps * args.batch_size * args.devices)
+    trainer = Trainer(
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=args.devices,
+        strategy=DeepSpeedPureBF16Strategy(rounding=args.rounding),
+        max_steps=args.max_steps,
+        val_check_interval=max(1, args.max_steps // 3),
+        limit_val_batches=16 if on_gpu else 4,
+        num_sanity_val_steps=0,
+        callbacks=[TrainingReport()],
+        logger=False,
+        enable_checkpointing=False,
+        log_every_n_steps=10,
+    )
+    trainer.fit(model, data)
+
+
+if __name__ == "__main__":
+    main()

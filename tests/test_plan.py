@@ -1,0 +1,73 @@
+"""The memory planner: its arithmetic, its command, and agreement with benchmarks/memory.py's measurements."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_pure_bf16.memory import MODEL_STATE_BYTES
+from lightning_pure_bf16.plan import GIB, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_70b_on_8x80gb():
+    p = plan(70e9, 8, 80)
+    assert p.bytes_per_param == {
+        "pure_bf16_stochastic": 8.0, "pure_bf16_kahan": 10.0, "deepspeed_bf16_master": 10.0, "deepspeed_bf16_mixed": 16.0,
+    }
+    assert p.per_gpu_model_state_gib["pure_bf16_stochastic"] == pytest.approx(70e9 * 8 / 8 / GIB)
+    assert p.fits["pure_bf16_stochastic"] and not p.fits["deepspeed_bf16_mixed"]
+
+
+def test_frozen_parameters_hold_only_their_bf16_partition():
+    full, half = plan(10e9, 4, 80), plan(10e9, 4, 80, frozen_fraction=0.5)
+    expected = (5e9 * 8 + 5e9 * 2) / 4 / GIB
+    assert half.per_gpu_model_state_gib["pure_bf16_stochastic"] == pytest.approx(expected)
+    assert half.per_gpu_model_state_gib["pure_bf16_stochastic"] < full.per_gpu_model_state_gib["pure_bf16_stochastic"]
+
+
+def test_margin_decides_fit():
+    assert plan(1e9, 1, 16, activation_margin_gib=0).fits["pure_bf16_stochastic"]
+    assert not plan(1e9, 1, 16, activation_margin_gib=15).fits["pure_bf16_stochastic"]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--params", "0", "--gpus", "8", "--gpu-memory-gib", "80"], "--params must be a positive"),
+        (["--params", "7e9", "--gpus", "0", "--gpu-memory-gib", "80"], "--gpus must be at least 1"),
+        (["--params", "7e9", "--gpus", "8", "--gpu-memory-gib", "-1"], "--gpu-memory-gib must be positive"),
+        (["--params", "7e9", "--gpus", "8", "--gpu-memory-gib", "80", "--frozen-fraction", "1"], "frozen-fraction"),
+    ],
+)
+def test_bad_input_is_an_error(args, match):
+    proc = subprocess.run([sys.executable, "-m", "lightning_pure_bf16.plan", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and match in proc.stderr
+
+
+def test_json_output():
+    cmd = [sys.executable, "-m", "lightning_pure_bf16.plan", "--params", "70e9", "--gpus", "8", "--gpu-memory-gib", "80",
+           "--json"]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    for key in ("bytes_per_param", "per_gpu_model_state_gib", "fits"):
+        assert set(out[key]) == set(MODEL_STATE_BYTES)
+    assert out["fits"]["pure_bf16_stochastic"] is True
+
+
+def test_planner_agrees_with_measured_memory(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick", "--out", str(tmp_path)]
+    subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
+    with open(tmp_path / "memory_quick.csv") as f:
+        measured = {row["config"]: row for row in csv.DictReader(f)}
+    planned = plan(1e6, 2, 80).bytes_per_param
+    assert set(measured) == set(MODEL_STATE_BYTES)
+    for config, row in measured.items():
+        assert float(row["total"]) == pytest.approx(planned[config], rel=0.05), config
+        for category, nbytes in MODEL_STATE_BYTES[config].items():
+            assert float(row[category]) == pytest.approx(nbytes, rel=0.05), (config, category)
