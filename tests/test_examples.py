@@ -1,0 +1,54 @@
+"""The GPT example: its data split and model, and the two ways to run it (script and LightningCLI), briefly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.strategy_runs import _env
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from gpt import GPT, GPTConfig, StdlibBytes, stdlib_files  # noqa: E402
+
+
+def test_stdlib_corpus_is_split_by_file():
+    train, val = stdlib_files()
+    assert train and val and not set(train) & set(val)
+    assert 0.03 < len(val) / (len(train) + len(val)) < 0.2
+
+
+def test_data_windows_are_next_byte_targets():
+    data = StdlibBytes(block_size=16, batch_size=2, train_windows=8, val_windows=4)
+    data.setup()
+    x, y = data.train_set[3]
+    assert x.shape == y.shape == (16,) and torch.equal(x[1:], y[:-1])
+
+
+def test_gpt_shapes():
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
+    assert model(torch.randint(0, 256, (3, 16))).shape == (3, 16, 256)
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=_env(), cwd=EXAMPLES)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_train_gpt_script_reports_loss_throughput_and_memory():
+    proc = _run(["train_gpt.py", "--max-steps", "6", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4"])
+    out = proc.stdout + proc.stderr
+    assert "validation loss:" in out and "tokens/s over 2 process(es)" in out
+    assert "model state per parameter: 8.00 B/param" in out
+
+
+def test_gpt_yaml_through_lightning_cli(tmp_path):
+    small = [f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--model.n_layer=1", "--model.n_embd=32",
+             "--model.max_steps=4", "--data.batch_size=4", "--data.train_windows=64"]
+    proc = _run(["gpt_cli.py", "fit", "--config", "gpt.yaml", *small])
+    out = proc.stdout + proc.stderr
+    assert "validation loss:" in out and "model state per parameter: 8.00 B/param" in out
