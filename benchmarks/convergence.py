@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
 import time
 from pathlib import Path
@@ -130,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         ax.plot(steps, losses, label=LABELS[arm], linestyle="--" if arm == "fp32" else "-")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/byte)")
-    n_params = sum(p.numel() for p in GPT(GPTConfig(args.block_size, 256, args.n_layer, args.n_head, args.n_embd)).parameters())
+    n_params = sum(
+        p.numel() for p in GPT(GPTConfig(args.block_size, 256, args.n_layer, args.n_head, args.n_embd)).parameters()
+    )
     ax.set_title(f"Byte-level GPT ({n_params / 1e6:.2f}M params), stdlib source, lr {args.lr:g}")
     ax.legend()
     ax.grid(alpha=0.3)

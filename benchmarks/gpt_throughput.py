@@ -53,18 +53,29 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict:
 
     seed_everything(0)
     on_gpu = args.device == "cuda"
-    model = GPTModule(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-                      max_steps=args.steps)
-    data = StdlibBytes(block_size=args.block_size, batch_size=args.batch_size, train_windows=args.steps * args.batch_size)
+    model = GPTModule(
+        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, max_steps=args.steps
+    )
+    data = StdlibBytes(
+        block_size=args.block_size, batch_size=args.batch_size, train_windows=args.steps * args.batch_size
+    )
     if arm == "deepspeed_bf16_mixed":
         strategy, precision = DeepSpeedStrategy(stage=3), "bf16-mixed"
     else:
         strategy, precision = DeepSpeedPureBF16Strategy(rounding=arm.rsplit("_", 1)[1]), "bf16-true"
     clock = Clock()
     trainer = Trainer(
-        accelerator="gpu" if on_gpu else "cpu", devices=1, strategy=strategy, precision=precision,
-        max_steps=args.steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
     )
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()

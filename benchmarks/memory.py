@@ -1,4 +1,4 @@
-"""Model-state memory per parameter, measured: pure bf16 (SR, Kahan) against DeepSpeed's bf16-master flags and bf16-mixed.
+"""Model-state memory per parameter, measured: pure bf16 (SR, Kahan) vs DeepSpeed's bf16-master flags and bf16-mixed.
 
 Every configuration runs the same model, world size and ZeRO-3 settings through ``deepspeed.initialize`` and two
 training steps, then reads bytes per parameter by category from the live buffers
@@ -34,7 +34,12 @@ LABELS = {
     "deepspeed_bf16_mixed": "DeepSpeed bf16 (fp32 masters and moments)",
 }
 # Every parameter partitioned and small buckets: what is measured is model state, not fixed communication buffers.
-ZERO = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
+ZERO = {
+    "stage": 3,
+    "stage3_param_persistence_threshold": 0,
+    "reduce_bucket_size": 100_000,
+    "allgather_bucket_size": 100_000,
+}
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -83,7 +88,11 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
         context = nullcontext()
     with context:
         engine, _, _, _ = deepspeed.initialize(
-            args=ap.Namespace(device_rank=rank), model=model, optimizer=optimizer, config=config, dist_init_required=False
+            args=ap.Namespace(device_rank=rank),
+            model=model,
+            optimizer=optimizer,
+            config=config,
+            dist_init_required=False,
         )
     if name.startswith("pure_bf16"):
         init_zero3_optimizer_state(engine.optimizer)
@@ -96,9 +105,9 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     report = zero3_model_state_report(engine.optimizer)
     tracked = sum(t.untyped_storage().nbytes() for _, t in reachable_tensors(engine.optimizer))
     tracked += sum(p.untyped_storage().nbytes() for p in engine.module.parameters() if p.untyped_storage().nbytes())
-    report["peak_per_param"] = (
-        torch.cuda.max_memory_allocated() if device == "cuda" else tracked
-    ) / report["params_on_rank"]
+    report["peak_per_param"] = (torch.cuda.max_memory_allocated() if device == "cuda" else tracked) / report[
+        "params_on_rank"
+    ]
     if rank == 0:
         torch.save(report, out)
     deepspeed.comm.destroy_process_group()
@@ -114,8 +123,9 @@ def measure(name: str, world: int, width: int, depth: int, device: str) -> dict[
     """Run one configuration on ``world`` processes and return rank 0's report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.pt")
-        mp.start_processes(_worker, args=(world, _free_port(), name, width, depth, device, out), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world, _free_port(), name, width, depth, device, out), nprocs=world, start_method="spawn"
+        )
         return torch.load(out, weights_only=True)
 
 
@@ -141,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:24s} {report['total']:.2f} B/param model state", file=sys.stderr)
 
     stem = "memory_quick" if args.quick else "memory"
-    command = "python benchmarks/memory.py" + (" --quick" if args.quick else "") + (
-        f" --world-size {args.world_size}" if args.world_size else ""
+    command = (
+        "python benchmarks/memory.py"
+        + (" --quick" if args.quick else "")
+        + (f" --world-size {args.world_size}" if args.world_size else "")
     )
     with open(out_dir / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -157,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{command}`. Bytes per parameter of each rank's partition, measured from the live buffers after two"
         f" steps. Peak: {peak_label}, per parameter of the partition.",
         "",
-        "| configuration | param | grad | master | exp_avg | exp_avg_sq | kahan | total B/param | vs this strategy | peak B/param |",
+        "| configuration | param | grad | master | exp_avg | exp_avg_sq | kahan | total B/param | vs this strategy"
+        " | peak B/param |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -91,20 +91,33 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     if args.quick:
-        cases = {"flat 2^20": [(1 << 20,)], "layer d=512": [(s[0] // 4, s[1] // 4) if len(s) == 2 else (s[0] // 4,) for s in LAYER_SHAPES]}
+        cases = {
+            "flat 2^20": [(1 << 20,)],
+            "layer d=512": [(s[0] // 4, s[1] // 4) if len(s) == 2 else (s[0] // 4,) for s in LAYER_SHAPES],
+        }
         warmup, repeats = 1, 3
     else:
         cases = {"flat 2^24": [(1 << 24,)], "layer d=2048": LAYER_SHAPES}
         warmup, repeats = 2, 7 if device.type == "cpu" else 50
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    device_name = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    )
     rows = []
     for case, shapes in cases.items():
         n = sum(torch.Size(s).numel() for s in shapes)
         copy_gbps = _copy_gbps(n, device, warmup, repeats) if device.type == "cuda" else None
         if copy_gbps is not None:
-            rows.append({"case": case, "optimizer": "device-to-device copy", "ms": "", "gbps": f"{copy_gbps:.1f}",
-                         "vs_copy": "1.00", "vs_torch_foreach": ""})
+            rows.append(
+                {
+                    "case": case,
+                    "optimizer": "device-to-device copy",
+                    "ms": "",
+                    "gbps": f"{copy_gbps:.1f}",
+                    "vs_copy": "1.00",
+                    "vs_torch_foreach": "",
+                }
+            )
         results = []
         for name, kind, make in _candidates(device):
             params = _make_params(shapes, device)
@@ -146,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['optimizer']} | {r['ms']} | {r['gbps']} | {r['vs_copy']} | {r['vs_torch_foreach']} |")
+        lines.append(
+            f"| {r['case']} | {r['optimizer']} | {r['ms']} | {r['gbps']} | {r['vs_copy']} | {r['vs_torch_foreach']} |"
+        )
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwrote {out / f'{stem}.csv'} and {out / f'{stem}.md'}\nreproduce: {command}")

@@ -149,7 +149,11 @@ class StdlibBytes(LightningDataModule):
     """
 
     def __init__(
-        self, block_size: int = 128, batch_size: int = 16, train_windows: int = 100_000, val_windows: int = 256,
+        self,
+        block_size: int = 128,
+        batch_size: int = 16,
+        train_windows: int = 100_000,
+        val_windows: int = 256,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -181,8 +185,15 @@ class GPTModule(LightningModule):
     """
 
     def __init__(
-        self, block_size: int = 128, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, lr: float = 3e-4,
-        weight_decay: float = 0.1, warmup_steps: int = 50, max_steps: int = 1000,
+        self,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 50,
+        max_steps: int = 1000,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -216,7 +227,8 @@ class GPTModule(LightningModule):
         no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=(0.9, 0.95),
+            lr=hp.lr,
+            betas=(0.9, 0.95),
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(hp.warmup_steps, hp.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -248,7 +260,8 @@ class TrainingReport(Callback):
         self.tokens_per_s = self._tokens / elapsed
         val = trainer.callback_metrics.get("val_loss")
         lines = [
-            f"validation loss: {float(val):.4f} nats/byte ({float(val) / math.log(2):.3f} bits/byte)" if val is not None
+            f"validation loss: {float(val):.4f} nats/byte ({float(val) / math.log(2):.3f} bits/byte)"
+            if val is not None
             else "validation loss: not computed",
             f"training throughput: {self.tokens_per_s:,.0f} tokens/s over {trainer.world_size} process(es),"
             f" {trainer.global_step} steps in {elapsed:.0f} s",

@@ -63,7 +63,9 @@ def main() -> None:
         loss = train(arm, x, y, args.steps, args.lr, args.batch)
         reference = loss if reference is None else reference
         label = "fp32 torch.optim.AdamW" if arm == "fp32" else f"pure bf16, rounding={arm!r}"
-        print(f"{label:34s} final loss {loss:.5f}  ({loss / reference:5.2f}x fp32)  {time.perf_counter() - start:5.1f} s")
+        print(
+            f"{label:34s} final loss {loss:.5f}  ({loss / reference:5.2f}x fp32)  {time.perf_counter() - start:5.1f} s"
+        )
 
 
 if __name__ == "__main__":

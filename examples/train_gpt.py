@@ -32,8 +32,9 @@ def main() -> None:
     args = parser.parse_args()
 
     seed_everything(args.seed)
-    model = GPTModule(n_layer=args.n_layer, n_embd=args.n_embd, n_head=max(4, args.n_embd // 64), lr=args.lr,
-                      max_steps=args.max_steps)
+    model = GPTModule(
+        n_layer=args.n_layer, n_embd=args.n_embd, n_head=max(4, args.n_embd // 64), lr=args.lr, max_steps=args.max_steps
+    )
     data = StdlibBytes(batch_size=args.batch_size, train_windows=args.max_steps * args.batch_size * args.devices)
     trainer = Trainer(
         accelerator="gpu" if on_gpu else "cpu",

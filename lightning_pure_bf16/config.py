@@ -54,7 +54,9 @@ def _contradictions(config: dict[str, Any]) -> list[str]:
     for key in ("offload_optimizer", "offload_param"):
         device = (zero.get(key) or {}).get("device", "none")
         if device not in (None, "none"):
-            problems.append(f"`zero_optimization.{key}.device: {device}` offloads state; pure bf16 keeps it on the device")
+            problems.append(
+                f"`zero_optimization.{key}.device: {device}` offloads state; pure bf16 keeps it on the device"
+            )
     if _is_fp32(config.get("data_types", {}).get("grad_accum_dtype")):
         problems.append("`data_types.grad_accum_dtype: fp32` keeps an fp32 gradient buffer")
     if _is_fp32(config.get("communication_data_type")):

@@ -91,7 +91,9 @@ def reachable_tensors(obj: Any, prefix: str = "", *, max_depth: int = 6) -> list
             items = [(k if isinstance(k, (str, int)) else type(k).__name__, v) for k, v in o.items()]
         elif isinstance(o, (list, tuple)):
             items = list(enumerate(o))
-        elif hasattr(o, "__dict__") and type(o).__module__.startswith(("deepspeed", "lightning_pure_bf16", "torch.optim")):
+        elif hasattr(o, "__dict__") and type(o).__module__.startswith(
+            ("deepspeed", "lightning_pure_bf16", "torch.optim")
+        ):
             items = list(vars(o).items())
         else:
             return

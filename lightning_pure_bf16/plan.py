@@ -46,7 +46,11 @@ class Plan:
 
 
 def plan(
-    params: float, gpus: int, gpu_memory_gib: float, *, frozen_fraction: float = 0.0,
+    params: float,
+    gpus: int,
+    gpu_memory_gib: float,
+    *,
+    frozen_fraction: float = 0.0,
     activation_margin_gib: float | None = None,
 ) -> Plan:
     """Per-GPU memory of each configuration and whether it fits.
@@ -117,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
-        result = plan(args.params, args.gpus, args.gpu_memory_gib, frozen_fraction=args.frozen_fraction,
-                      activation_margin_gib=args.activation_margin_gib)
+        result = plan(
+            args.params,
+            args.gpus,
+            args.gpu_memory_gib,
+            frozen_fraction=args.frozen_fraction,
+            activation_margin_gib=args.activation_margin_gib,
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -125,19 +125,28 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     ) -> None:
         name = self.strategy_name
         if not _DEEPSPEED_AVAILABLE:
-            raise ModuleNotFoundError(f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.1'`")
+            raise ModuleNotFoundError(
+                f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.1'`"
+            )
         if stage != 3:
             raise ValueError(
-                f"`DeepSpeedPureBF16Strategy(stage={stage})` is not supported: ZeRO stages 1 and 2 keep a separate master"
-                " copy of the weights. Use `stage=3`."
+                f"`DeepSpeedPureBF16Strategy(stage={stage})` is not supported: ZeRO stages 1 and 2 keep a separate"
+                " master copy of the weights. Use `stage=3`."
             )
         if rounding not in ROUNDING_MODES:
             raise ValueError(f"`DeepSpeedPureBF16Strategy(rounding={rounding!r})` is not one of {ROUNDING_MODES}.")
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ValueError(f"`DeepSpeedPureBF16Strategy(seed={seed!r})` must be a non-negative int or None.")
-        for option in ("offload_optimizer", "offload_parameters", "zero_optimization"):
-            if kwargs.get(option) not in (None, False) and not (option == "zero_optimization" and kwargs[option]):
-                raise ValueError(f"`DeepSpeedPureBF16Strategy({option}=...)` is not supported: pure bf16 keeps all state on the device.")
+        for option in ("offload_optimizer", "offload_parameters"):
+            if kwargs.get(option):
+                raise ValueError(
+                    f"`DeepSpeedPureBF16Strategy({option}=True)` is not supported: pure bf16 keeps all state on the"
+                    " device."
+                )
+        if kwargs.get("zero_optimization") is False:
+            raise ValueError(
+                "`DeepSpeedPureBF16Strategy(zero_optimization=False)` is not supported: it needs ZeRO stage 3."
+            )
         _use_cpu_deepspeed_accelerator_if_no_cuda()
         super().__init__(
             accelerator=accelerator,
@@ -163,7 +172,10 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         user_zero = (user_config or {}).get("zero_optimization", {})
         self._default_buckets = [
             key
-            for key, arg in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size))
+            for key, arg in (
+                ("reduce_bucket_size", reduce_bucket_size),
+                ("allgather_bucket_size", allgather_bucket_size),
+            )
             if arg is None and key not in user_zero
         ]
         self.rounding = rounding
@@ -177,7 +189,10 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         presets = {
             "deepspeed_pure_bf16": ("DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding", {}),
-            "deepspeed_pure_bf16_kahan": ("DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation", {"rounding": "kahan"}),
+            "deepspeed_pure_bf16_kahan": (
+                "DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation",
+                {"rounding": "kahan"},
+            ),
         }
         for name, (description, init_params) in presets.items():
             # override=True: importing the package twice (or reloading it) re-registers the same class harmlessly.
@@ -197,7 +212,10 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             self._precision_plugin = precision_plugin
             return
         flag = getattr(precision_plugin, "precision", None)
-        if flag not in _ACCEPTED_PRECISION or type(precision_plugin).__name__ not in ("DeepSpeedPrecision", "Precision"):
+        if flag not in _ACCEPTED_PRECISION or type(precision_plugin).__name__ not in (
+            "DeepSpeedPrecision",
+            "Precision",
+        ):
             raise ValueError(
                 f"`Trainer(strategy='{self.strategy_name}', precision={flag!r})` is not supported: this strategy trains"
                 " in pure bf16. Leave `precision` unset or pass `precision='bf16-true'`."
@@ -217,8 +235,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
 
             if get_accelerator().device_name() != "cpu":
                 raise RuntimeError(
-                    f"`Trainer(strategy='{self.strategy_name}', accelerator='cpu')` needs DeepSpeed's CPU accelerator, but"
-                    f" DeepSpeed already chose '{get_accelerator().device_name()}'. Set `DS_ACCELERATOR=cpu` in the"
+                    f"`Trainer(strategy='{self.strategy_name}', accelerator='cpu')` needs DeepSpeed's CPU accelerator,"
+                    f" but DeepSpeed already chose '{get_accelerator().device_name()}'. Set `DS_ACCELERATOR=cpu` in the"
                     " environment before starting Python."
                 )
             for key in self._default_buckets:
@@ -294,7 +312,6 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             _rebind_scheduler(scheduler_config.scheduler, converted)
         base_seed = self.seed if self.seed is not None else converted.seed
         converted.seed = rank_seed(base_seed, self.global_rank)
-        converted.backend = self.backend if converted is not optimizer else converted.backend
         # ZeRO-3 decides on non-finite gradients for all ranks at once (its all-reduced gradient norm) before any
         # partition is updated; the optimizer sees one sub-group at a time and must not decide on its own.
         converted.check_nonfinite = False
@@ -307,9 +324,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         kind = type(optimizer)
         if kind not in (torch.optim.AdamW, torch.optim.Adam):
             raise TypeError(
-                f"`Trainer(strategy='{self.strategy_name}')` can convert `torch.optim.AdamW` and `torch.optim.Adam`, but"
-                f" `configure_optimizers` returned `{kind.__module__}.{kind.__qualname__}`. Return one of those, or"
-                " `lightning_pure_bf16.AdamW`/`Adam` directly."
+                f"`Trainer(strategy='{self.strategy_name}')` can convert `torch.optim.AdamW` and `torch.optim.Adam`,"
+                f" but `configure_optimizers` returned `{kind.__module__}.{kind.__qualname__}`. Return one of those,"
+                " or `lightning_pure_bf16.AdamW`/`Adam` directly."
             )
         for option, off in _UNSUPPORTED_TORCH_OPTIONS.items():
             for group in optimizer.param_groups:
@@ -320,15 +337,17 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                     )
         if any(len(optimizer.state[p]) for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(
-                f"`Trainer(strategy='{self.strategy_name}')` cannot convert a `torch.optim.{kind.__name__}` that already"
-                " holds state. Create it fresh in `configure_optimizers`."
+                f"`Trainer(strategy='{self.strategy_name}')` cannot convert a `torch.optim.{kind.__name__}` that"
+                " already holds state. Create it fresh in `configure_optimizers`."
             )
         groups = [{k: v for k, v in g.items() if k not in _TORCH_ONLY_GROUP_KEYS} for g in optimizer.param_groups]
         if kind is torch.optim.AdamW:
             new: AdamW = AdamW(groups, rounding=self.rounding, seed=self.seed, backend=self.backend)
         else:
             decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-            new = Adam(groups, rounding=self.rounding, seed=self.seed, backend=self.backend, decoupled_weight_decay=decoupled)
+            new = Adam(
+                groups, rounding=self.rounding, seed=self.seed, backend=self.backend, decoupled_weight_decay=decoupled
+            )
         n_params = sum(len(g["params"]) for g in groups)
         rank_zero_info(
             f"{self.strategy_name}: replaced torch.optim.{kind.__name__} with lightning_pure_bf16.{type(new).__name__}"
@@ -362,7 +381,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         staged = staging_path(filepath)
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         self.deepspeed_engine.save_checkpoint(
-            os.fspath(staged), client_state=client_state, tag=CHECKPOINT_TAG,
+            os.fspath(staged),
+            client_state=client_state,
+            tag=CHECKPOINT_TAG,
             exclude_frozen_parameters=self.exclude_frozen_parameters,
         )
         self.barrier("pure_bf16_save_written")

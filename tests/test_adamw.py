@@ -110,7 +110,7 @@ def test_second_moment_freezes_with_nearest():
 def _snapshot(params, opt):
     tensors = [p.detach().clone() for p in params]
     for p in params:
-        for k, v in opt.state[p].items():
+        for v in opt.state[p].values():
             if isinstance(v, torch.Tensor):
                 tensors.append(v.clone())
     return tensors

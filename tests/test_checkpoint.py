@@ -1,4 +1,4 @@
-"""Checkpoints with the pure-bf16 strategy: exact resume, consolidation, world-size change, bad and interrupted saves."""
+"""Checkpoints with the pure-bf16 strategy: exact resume, consolidation, world-size change, bad and cut-off saves."""
 
 from __future__ import annotations
 
@@ -74,7 +74,13 @@ def test_consolidate_command(uninterrupted, tmp_path, suffix):
 
 
 def test_consolidate_command_refuses_unknown_extension(uninterrupted, tmp_path):
-    cmd = [sys.executable, "-m", "lightning_pure_bf16.consolidate", str(uninterrupted[0] / "final"), str(tmp_path / "w.txt")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_pure_bf16.consolidate",
+        str(uninterrupted[0] / "final"),
+        str(tmp_path / "w.txt"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "use .safetensors or .pt" in proc.stderr
     assert not list(tmp_path.iterdir())

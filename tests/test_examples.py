@@ -34,7 +34,9 @@ def test_gpt_shapes():
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=_env(), cwd=EXAMPLES)
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=600, env=_env(), cwd=EXAMPLES
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
@@ -47,8 +49,16 @@ def test_train_gpt_script_reports_loss_throughput_and_memory():
 
 
 def test_gpt_yaml_through_lightning_cli(tmp_path):
-    small = [f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--model.n_layer=1", "--model.n_embd=32",
-             "--model.max_steps=4", "--data.batch_size=4", "--data.train_windows=64"]
+    small = [
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=4",
+        "--trainer.val_check_interval=2",
+        "--model.n_layer=1",
+        "--model.n_embd=32",
+        "--model.max_steps=4",
+        "--data.batch_size=4",
+        "--data.train_windows=64",
+    ]
     proc = _run(["gpt_cli.py", "fit", "--config", "gpt.yaml", *small])
     out = proc.stdout + proc.stderr
     assert "validation loss:" in out and "model state per parameter: 8.00 B/param" in out

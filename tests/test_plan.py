@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_70b_on_8x80gb():
     p = plan(70e9, 8, 80)
     assert p.bytes_per_param == {
-        "pure_bf16_stochastic": 8.0, "pure_bf16_kahan": 10.0, "deepspeed_bf16_master": 10.0, "deepspeed_bf16_mixed": 16.0,
+        "pure_bf16_stochastic": 8.0,
+        "pure_bf16_kahan": 10.0,
+        "deepspeed_bf16_master": 10.0,
+        "deepspeed_bf16_mixed": 16.0,
     }
     assert p.per_gpu_model_state_gib["pure_bf16_stochastic"] == pytest.approx(70e9 * 8 / 8 / GIB)
     assert p.fits["pure_bf16_stochastic"] and not p.fits["deepspeed_bf16_mixed"]
@@ -52,8 +55,18 @@ def test_bad_input_is_an_error(args, match):
 
 
 def test_json_output():
-    cmd = [sys.executable, "-m", "lightning_pure_bf16.plan", "--params", "70e9", "--gpus", "8", "--gpu-memory-gib", "80",
-           "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_pure_bf16.plan",
+        "--params",
+        "70e9",
+        "--gpus",
+        "8",
+        "--gpu-memory-gib",
+        "80",
+        "--json",
+    ]
     out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     for key in ("bytes_per_param", "per_gpu_model_state_gib", "fits"):
         assert set(out[key]) == set(MODEL_STATE_BYTES)

@@ -188,6 +188,7 @@ def test_default_and_bf16_true_precision_mean_pure_bf16(precision):
         ({"config": {"optimizer": {"type": "Adam"}}}, "`optimizer`"),
         ({"config": {"data_types": {"grad_accum_dtype": "fp32"}}}, "grad_accum_dtype"),
         ({"offload_optimizer": True}, "offload_optimizer"),
+        ({"zero_optimization": False}, "ZeRO stage 3"),
     ],
 )
 def test_contradicting_settings_are_refused(kwargs, match):
@@ -196,11 +197,17 @@ def test_contradicting_settings_are_refused(kwargs, match):
 
 
 def test_user_config_is_merged():
-    strategy = DeepSpeedPureBF16Strategy(config={"zero_optimization": {"stage3_max_live_parameters": 123}, "wall_clock_breakdown": True})
+    strategy = DeepSpeedPureBF16Strategy(
+        config={"zero_optimization": {"stage3_max_live_parameters": 123}, "wall_clock_breakdown": True}
+    )
     zero = strategy.config["zero_optimization"]
     assert zero["stage"] == 3 and zero["stage3_max_live_parameters"] == 123
     assert strategy.config["wall_clock_breakdown"] is True
-    assert strategy.config["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert strategy.config["bf16"] == {
+        "enabled": True,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
     assert strategy.config["zero_allow_untested_optimizer"] is True
 
 
@@ -215,7 +222,11 @@ def test_package_import_registers_on_reimport():
 def test_lightning_cli(tmp_path, source):
     common = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=3", "--trainer.logger=false"]
     common += [f"--trainer.default_root_dir={tmp_path}"]
-    common += ["--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=1"]
+    common += [
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=1",
+    ]
     if source == "yaml":
         config = tmp_path / "cfg.yaml"
         config.write_text("trainer:\n  strategy: deepspeed_pure_bf16_kahan\n")

@@ -41,7 +41,9 @@ def default_seed() -> int:
 
 def _triton_update() -> Callable[..., None]:
     if not _TRITON_AVAILABLE:
-        raise ModuleNotFoundError(f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`.")
+        raise ModuleNotFoundError(
+            f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
+        )
     from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
 
     return adamw_update_triton_
@@ -124,7 +126,9 @@ class AdamW(Optimizer):
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ValueError(f"`seed` must be a non-negative int or None, got {seed!r}.")
         if backend == "triton" and not _TRITON_AVAILABLE:
-            raise ModuleNotFoundError(f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`.")
+            raise ModuleNotFoundError(
+                f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
+            )
         _check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
         defaults = {
             "lr": lr,
@@ -155,7 +159,12 @@ class AdamW(Optimizer):
                 )
         merged = {**self.defaults, **param_group}
         _check_hyperparameters(
-            type(self).__name__, merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["rounding"]
+            type(self).__name__,
+            merged["lr"],
+            merged["betas"],
+            merged["eps"],
+            merged["weight_decay"],
+            merged["rounding"],
         )
         super().add_param_group(param_group)
 
@@ -320,9 +329,7 @@ class Adam(AdamW):
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
 
 
-def _check_hyperparameters(
-    name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, rounding: Any
-) -> None:
+def _check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, rounding: Any) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"`{name}(lr=...)` must be a float or a one-element tensor, got shape {tuple(lr.shape)}.")

@@ -1,7 +1,7 @@
 """A LightningCLI script that only imports the package; the strategy comes from the command line or a YAML config.
 
-    python tests/scripts/cli_mlp.py OUT fit --config cfg.yaml
-    python tests/scripts/cli_mlp.py OUT fit --trainer.strategy deepspeed_pure_bf16 ...
+python tests/scripts/cli_mlp.py OUT fit --config cfg.yaml
+python tests/scripts/cli_mlp.py OUT fit --trainer.strategy deepspeed_pure_bf16 ...
 """
 
 from __future__ import annotations

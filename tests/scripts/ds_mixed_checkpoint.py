@@ -23,8 +23,11 @@ config = {
     "zero_allow_untested_optimizer": True,
 }
 engine, _, _, _ = deepspeed.initialize(
-    args=argparse.Namespace(device_rank=0), model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-    config=config, dist_init_required=False,
+    args=argparse.Namespace(device_rank=0),
+    model=model,
+    optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+    config=config,
+    dist_init_required=False,
 )
 for _ in range(2):
     loss = engine(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).mean()

@@ -7,7 +7,6 @@ Run as a script (Lightning's subprocess launcher starts the other ranks by re-ru
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -146,7 +145,10 @@ def main(out: Path, opts: dict) -> None:
         "rank": trainer.global_rank,
         "flat_params": flat,
         "real_masks": real_masks,
-        "state": {k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()} for k, v in enumerate(opt.state.values())},
+        "state": {
+            k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}
+            for k, v in enumerate(opt.state.values())
+        },
         "optimizer_class": type(opt).__name__,
         "rounding": [g["rounding"] for g in opt.param_groups],
         "group_wd": [g["weight_decay"] for g in opt.param_groups],
