@@ -13,7 +13,6 @@ Writes benchmarks/results/convergence{,_quick}.{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _results import write_results  # noqa: E402
 from gpt import GPT, ByteWindows, GPTConfig, load_bytes, lr_factor, stdlib_files  # noqa: E402
 
 from lightning_pure_bf16 import AdamW  # noqa: E402
@@ -112,11 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "convergence_quick" if args.quick else "convergence"
     command = "python benchmarks/convergence.py" + (" --quick" if args.quick else "")
-    with open(args.out / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", *ARMS])
-        for i, (step, _) in enumerate(curves["fp32"]):
-            writer.writerow([step, *(f"{curves[a][i][1]:.5f}" for a in ARMS)])
+    rows = [
+        {"step": step, **{arm: f"{curves[arm][i][1]:.5f}" for arm in ARMS}}
+        for i, (step, _) in enumerate(curves["fp32"])
+    ]
 
     import matplotlib
 
@@ -154,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = curves[arm][-1][1]
         lines.append(f"| {LABELS[arm]} | {loss:.4f} | {100 * (loss - ref) / ref:+.2f}% |")
     lines += ["", f"![validation loss]({stem}.png)"]
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nwrote {args.out / stem}.{{csv,md,png}}\nreproduce: {command}")
+    write_results(args.out, stem, rows, lines, command, also=("png",))
     return 0
 
 

@@ -11,7 +11,6 @@ DeepSpeed's own strategy needs CUDA, so on a CPU-only machine only this strategy
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -122,10 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     stem = "gpt_throughput_quick" if args.quick else "gpt_throughput"
     command = "python benchmarks/gpt_throughput.py" + (" --quick" if args.quick else "")
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     ref = next((r for r in rows if r["arm"] == "deepspeed_bf16_mixed"), None)
     lines = [
@@ -141,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         speed = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
         mem = f"{r['peak_gib'] / ref['peak_gib']:.2f}x" if ref else ""
         lines.append(f"| {ARMS[r['arm']]} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | {mem} |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nwrote {out / stem}.{{csv,md}}\nreproduce: {command}")
+    write_results(out, stem, rows, lines, command)
     return 0
 
 

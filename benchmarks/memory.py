@@ -14,7 +14,6 @@ training steps, then reads bytes per parameter by category from the live buffers
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import socket
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from _results import write_results
 from torch import nn
 
 RESULTS = Path(__file__).parent / "results"
@@ -156,10 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         + (" --quick" if args.quick else "")
         + (f" --world-size {args.world_size}" if args.world_size else "")
     )
-    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
     peak_label = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "tracked buffers (incl. buckets)"
     reference = rows[0]["total"]
@@ -179,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {r['exp_avg_sq']:.2f} | {r['kahan_comp']:.2f} | **{r['total']:.2f}** | {r['total'] / reference:.2f}x |"
             f" {r['peak_per_param']:.2f} |"
         )
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nwrote {out_dir / f'{stem}.csv'} and {out_dir / f'{stem}.md'}\nreproduce: {command}")
+    write_results(out_dir, stem, rows, lines, command)
     return 0
 
 

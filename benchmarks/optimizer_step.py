@@ -10,13 +10,13 @@ plus a read and a write of the Kahan buffer (18 B/param). On CUDA a device-to-de
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _results import write_results
 
 from lightning_pure_bf16 import AdamW
 
@@ -145,10 +145,6 @@ def main(argv: list[str] | None = None) -> int:
 
     stem = "optimizer_step_quick" if args.quick else "optimizer_step"
     command = "python benchmarks/optimizer_step.py" + (" --quick" if args.quick else "")
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     lines = [
         f"# Optimizer step: {device_name}, torch {torch.__version__}",
         "",
@@ -162,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {r['case']} | {r['optimizer']} | {r['ms']} | {r['gbps']} | {r['vs_copy']} | {r['vs_torch_foreach']} |"
         )
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nwrote {out / f'{stem}.csv'} and {out / f'{stem}.md'}\nreproduce: {command}")
+    write_results(out, stem, rows, lines, command)
     return 0
 
 

@@ -1,0 +1,24 @@
+"""How every benchmark writes its results: a CSV of the rows, a markdown report, and the command that reproduces it."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+
+def write_results(
+    out: Path, stem: str, rows: list[dict], markdown: list[str], command: str, *, also: tuple[str, ...] = ()
+) -> None:
+    """Write ``out/stem.csv`` and ``out/stem.md``, print the report and the command that reproduces it.
+
+    Args:
+        also: extensions of other files the benchmark wrote under the same stem (e.g. ``("png",)``), for the message.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / f"{stem}.md").write_text("\n".join(markdown) + "\n")
+    print("\n".join(markdown))
+    print(f"\nwrote {out / stem}.{{{','.join(('csv', 'md', *also))}}}\nreproduce: {command}")
