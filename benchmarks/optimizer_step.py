@@ -56,9 +56,7 @@ def _make_params(shapes: list[tuple[int, ...]], device: torch.device) -> list[to
 
 def _candidates(device: torch.device) -> list[tuple[str, str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]]:
     cands: list[tuple[str, str, Callable]] = []
-    backends = ["torch"]
-    if device.type == "cuda":
-        backends.insert(0, "triton")
+    backends = ["triton", "torch"] if device.type == "cuda" else ["cpu", "torch"]
     for backend in backends:
         for rounding in ("stochastic", "kahan", "nearest"):
             cands.append(

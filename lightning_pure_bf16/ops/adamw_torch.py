@@ -96,8 +96,9 @@ def adamw_update_torch_(
         # the same side of bf16 rounding ties, which moments of bf16 inputs hit often.
         v.mul_(args.beta2).add_(torch.mul(g, g).mul_(1.0 - args.beta2))
         m.mul_(args.beta1).add_(g.mul_(1.0 - args.beta1))
-        # The denominator uses the fp32 moments: rounding happens only on the final writes.
-        delta = v.sqrt().mul_(1.0 / args.bias_correction2_sqrt).add_(args.eps)
+        # The denominator uses the fp32 moments: rounding happens only on the final writes. The square root goes
+        # through float64 to be correctly rounded (torch's CPU float32 sqrt is not), as in the other backends.
+        delta = v.double().sqrt_().float().mul_(1.0 / args.bias_correction2_sqrt).add_(args.eps)
         torch.div(m, delta, out=delta).mul_(-step_size)
         if args.decoupled and decay != 0.0:
             # Weight decay is part of the same fp32 update and the same rounded write: rounded on its own, a sub-ulp

@@ -98,8 +98,9 @@ def _adamw_kernel(
         g = g + weight_decay * p
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
-    # The denominator uses the fp32 moments: rounding happens only on the final writes.
-    delta = -step_size * (m / (tl.sqrt(v) * inv_bias_correction2_sqrt + eps))
+    # The denominator uses the fp32 moments: rounding happens only on the final writes. Square root and division
+    # are the correctly rounded ones (tl.sqrt and "/" are approximate on GPUs), as in the other backends.
+    delta = -step_size * tl.div_rn(m, tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps)
     if DECOUPLED:
         # Weight decay inside the same fp32 update and the same rounded write, so a sub-ulp lr*wd*p still counts.
         delta = delta - decay * p
@@ -170,6 +171,8 @@ def adamw_update_triton_(
         DECOUPLED=args.decoupled,
         BLOCK=BLOCK_SIZE,
         num_warps=NUM_WARPS,
+        # No fused multiply-add: each product rounded on its own, exactly as the PyTorch and CPU paths do.
+        enable_fp_fusion=False,
     )
 
 

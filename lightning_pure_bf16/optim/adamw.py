@@ -15,15 +15,16 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
+from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_, can_use_fused_cpu, fused_cpu_available
 from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
 from lightning_pure_bf16.ops.rng import Buffer, mix32, stream_key
 
 _TRITON_AVAILABLE = RequirementCache("triton")
 
 Rounding = Literal["stochastic", "kahan", "nearest"]
-Backend = Literal["auto", "triton", "torch"]
+Backend = Literal["auto", "triton", "cpu", "torch"]
 
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "triton", "cpu", "torch")
 # torch.optim options this optimizer does not implement, with the value that means "off".
 _UNSUPPORTED_OFF: dict[str, Any] = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _STATE_EXTRA_KEY = "pure_bf16"
@@ -73,8 +74,10 @@ class AdamW(Optimizer):
             everything to nearest-even, as other pure-bf16 optimizers do (small updates vanish).
         seed: seed of the counter-based rounding noise (default: ``None``, derived from ``torch.initial_seed()``).
             Saved in ``state_dict()``.
-        backend: ``"triton"`` (one fused kernel per tensor, CUDA), ``"torch"`` (chunked PyTorch, any device) or
-            ``"auto"``: Triton for CUDA tensors when it imports, else PyTorch (default: ``"auto"``).
+        backend: ``"triton"`` (one fused kernel per tensor, CUDA), ``"cpu"`` (one fused C++ loop per tensor, CPU,
+            compiled on first use), ``"torch"`` (chunked PyTorch, any device) or ``"auto"``: Triton for CUDA tensors
+            when it imports, the fused loop for CPU tensors when it compiles, else PyTorch (default: ``"auto"``). All
+            give the same results bit for bit on the CPU; float32 parameters always take the PyTorch path.
         chunk_size: elements per chunk of the PyTorch path, a power of two (default: ``2**18``).
 
     Attributes:
@@ -205,13 +208,13 @@ class AdamW(Optimizer):
 
         # Validate everything first, so a bad gradient or device fails before any buffer or counter changes.
         plan = [
-            (p, group, self._check_and_pick_triton(p))
+            (p, group, self._pick_backend(p))
             for group in self.param_groups
             for p in group["params"]
             if p.grad is not None
         ]
-        for p, group, use_triton in plan:
-            self._update(p, group, use_triton)
+        for p, group, backend in plan:
+            self._update(p, group, backend)
         return loss
 
     def init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -232,7 +235,7 @@ class AdamW(Optimizer):
             state["kahan_comp"] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
         return state
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any], use_triton: bool) -> None:
+    def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
         grad = p.grad
         state = self.init_state(p, group)
         state["step"] += 1
@@ -252,29 +255,46 @@ class AdamW(Optimizer):
             keys=tuple(stream_key(self.seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
         )
         buffers = (p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp)
-        if use_triton:
+        if backend == "triton":
             _triton_update()(*buffers, args)
+        elif backend == "cpu":
+            adamw_update_cpu_(*buffers, args)
         else:
             adamw_update_torch_(*buffers, args, chunk_size=self.chunk_size)
 
-    def _check_and_pick_triton(self, p: torch.Tensor) -> bool:
+    def _pick_backend(self, p: torch.Tensor) -> str:
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients.")
         if grad.shape != p.shape:
             raise RuntimeError(f"Gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(p.shape)}.")
-        if p.dtype != torch.bfloat16:
-            return False
-        if self.backend == "torch":
-            return False
+        if p.dtype != torch.bfloat16 or self.backend == "torch":
+            return "torch"
         if self.backend == "triton":
             if not _triton_can_run(p):
                 raise RuntimeError(
                     f"`backend='triton'` needs CUDA tensors (got a tensor on {p.device}); use `backend='torch'` or set"
                     " TRITON_INTERPRET=1 before importing to run the kernel on the CPU."
                 )
-            return True
-        return p.is_cuda and bool(_TRITON_AVAILABLE)
+            return "triton"
+        fused_cpu_ok = can_use_fused_cpu(p, grad)
+        if self.backend == "cpu":
+            if not fused_cpu_ok:
+                raise RuntimeError(
+                    "`backend='cpu'` needs contiguous bf16 CPU tensors for the parameter and its gradient (got"
+                    f" {p.dtype} on {p.device}, gradient {grad.dtype}); use `backend='auto'` or `backend='torch'`."
+                )
+            if not fused_cpu_available():
+                raise RuntimeError(
+                    "`backend='cpu'`: the fused CPU loop did not compile (see the warning above); use"
+                    " `backend='torch'`."
+                )
+            return "cpu"
+        if p.is_cuda and _TRITON_AVAILABLE:
+            return "triton"
+        if fused_cpu_ok and fused_cpu_available():
+            return "cpu"
+        return "torch"
 
     def state_dict(self) -> dict[str, Any]:
         """The torch state dict plus the rounding seed, the stream counter and the skipped-step count."""

@@ -1,0 +1,227 @@
+"""The fused CPU loop of the pure-bf16 Adam/AdamW update: one pass over p, g, m, v (and the Kahan buffer).
+
+A small C++ function, compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed;
+without them the optimizer falls back to the chunked PyTorch path, with a warning). It performs exactly the PyTorch
+path's float32 operations in the same order, with fused multiply-add contraction off, and draws the same random bits
+(``ops.rng``), so the two give identical results bit for bit. bf16 parameters and gradients only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from lightning_pure_bf16.ops import rng
+from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
+
+_ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2}
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> MIX_SHIFT1;
+  x *= MIX_MUL1;
+  x ^= x >> MIX_SHIFT2;
+  x *= MIX_MUL2;
+  x ^= x >> MIX_SHIFT3;
+  return x;
+}
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float widen(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+// Stochastic rounding: 16 random bits added below the kept 16 carry into them with the discarded fraction's odds.
+inline uint16_t round_stochastic(float x, uint32_t r) {
+  return static_cast<uint16_t>((bits_of(x) + (r & 0xFFFFu)) >> 16);
+}
+inline uint16_t round_nearest(float x) {
+  const uint32_t b = bits_of(x);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (b >> 16) | 0x0040u;  // a NaN stays a NaN instead of carrying into the exponent
+  const bool is_nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);  // a select, not a branch: the loop vectorizes
+}
+
+}  // namespace
+
+struct Scalars {
+  float b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
+};
+
+// One block of elements sharing the high 32 bits of their index; ROUNDING: 0 nearest, 1 stochastic, 2 Kahan.
+// Compile-time switches keep the loop free of branches so the compiler vectorizes it.
+template <int ROUNDING, bool L2, bool DECOUPLED>
+void update_block(uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16_t* C, int64_t begin, int64_t end,
+                  const Scalars& s, uint32_t kp, uint32_t km, uint32_t kv) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t lo = static_cast<uint32_t>(i);
+    const float p = widen(P[i]);
+    float g = widen(G[i]);
+    float m = widen(M[i]);
+    float v = widen(V[i]);
+    // The PyTorch path's operations, one rounding each, in its order.
+    if (L2) g = g + p * s.wd;
+    v = v * s.b2 + (g * g) * s.omb2;
+    m = m * s.b1 + g * s.omb1;
+    float delta = (m / (std::sqrt(v) * s.inv_bc2 + s.eps)) * s.neg_step;
+    if (DECOUPLED) delta = delta - p * s.decay;
+    if (ROUNDING == 0) {
+      P[i] = round_nearest(p + delta);
+      M[i] = round_nearest(m);
+      V[i] = round_nearest(v);
+    } else {
+      if (ROUNDING == 2) {
+        const float y = delta + widen(C[i]);
+        const uint16_t out = round_nearest(p + y);
+        C[i] = round_nearest(y - (widen(out) - p));
+        P[i] = out;
+      } else {
+        P[i] = round_stochastic(p + delta, mix32(lo ^ kp));
+      }
+      M[i] = round_stochastic(m, mix32(lo ^ km));
+      V[i] = round_stochastic(v, mix32(lo ^ kv));
+    }
+  }
+}
+
+template <int ROUNDING, bool L2, bool DECOUPLED>
+void update_all(uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16_t* C, int64_t n, const Scalars& s,
+                int64_t key_p, int64_t key_m, int64_t key_v) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    while (begin < end) {
+      const int64_t block_end = std::min(end, ((begin >> 32) + 1) << 32);
+      const uint32_t hi = static_cast<uint32_t>(begin >> 32);
+      update_block<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, block_end, s,
+                                            mix32(static_cast<uint32_t>(key_p) ^ hi),
+                                            mix32(static_cast<uint32_t>(key_m) ^ hi),
+                                            mix32(static_cast<uint32_t>(key_v) ^ hi));
+      begin = block_end;
+    }
+  });
+}
+
+template <int ROUNDING>
+void dispatch_decay(bool l2, bool decoupled, uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16_t* C,
+                    int64_t n, const Scalars& s, int64_t kp, int64_t km, int64_t kv) {
+  if (l2) return update_all<ROUNDING, true, false>(P, G, M, V, C, n, s, kp, km, kv);
+  if (decoupled) return update_all<ROUNDING, false, true>(P, G, M, V, C, n, s, kp, km, kv);
+  update_all<ROUNDING, false, false>(P, G, M, V, C, n, s, kp, km, kv);
+}
+
+void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+                       torch::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
+                       double beta2, double one_minus_beta2, double eps, double weight_decay, double decay,
+                       double neg_step_size, double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m,
+                       int64_t key_v) {
+  uint16_t* P = reinterpret_cast<uint16_t*>(param.data_ptr());
+  const uint16_t* G = reinterpret_cast<const uint16_t*>(grad.data_ptr());
+  uint16_t* M = reinterpret_cast<uint16_t*>(exp_avg.data_ptr());
+  uint16_t* V = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr());
+  uint16_t* C = reinterpret_cast<uint16_t*>(kahan_comp.data_ptr());
+  // Scalars become float32 exactly as torch turns a Python float into the scalar of a float32 tensor op.
+  const Scalars s{static_cast<float>(beta1), static_cast<float>(one_minus_beta1), static_cast<float>(beta2),
+                  static_cast<float>(one_minus_beta2), static_cast<float>(eps), static_cast<float>(weight_decay),
+                  static_cast<float>(decay), static_cast<float>(neg_step_size),
+                  static_cast<float>(inv_bias_correction2_sqrt)};
+  const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
+  const int64_t n = param.numel();
+  if (rounding == 0) dispatch_decay<0>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v);
+  else if (rounding == 1) dispatch_decay<1>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v);
+  else dispatch_decay<2>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v);
+}
+"""
+
+_extension: Any = None
+_failure: str | None = None
+
+
+def _source() -> str:
+    defines = {
+        "MIX_MUL1": f"{rng.MIX_MUL1:#x}u",
+        "MIX_MUL2": f"{rng.MIX_MUL2:#x}u",
+        "MIX_SHIFT1": str(rng.MIX_SHIFT1),
+        "MIX_SHIFT2": str(rng.MIX_SHIFT2),
+        "MIX_SHIFT3": str(rng.MIX_SHIFT3),
+    }
+    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
+
+
+def fused_cpu_available() -> bool:
+    """Whether the fused CPU loop compiled (it is compiled on the first call; a failure is reported once)."""
+    global _extension, _failure
+    if _extension is None and _failure is None:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            # Vector instructions of the CPU torch itself dispatches to; part of the name, so each build is cached
+            # apart. No fused multiply-add contraction: every product is rounded, as in the PyTorch path.
+            capability = torch.backends.cpu.get_cpu_capability()
+            arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
+            _extension = load_inline(
+                name=f"lightning_pure_bf16_adamw_cpu_v3_{capability.lower()}",
+                cpp_sources=[_source()],
+                functions=["adamw_update_bf16"],
+                extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *arch],
+                verbose=False,
+            )
+        except Exception as err:  # noqa: BLE001 - any build failure means: use the PyTorch path
+            _failure = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
+            warnings.warn(
+                f"lightning_pure_bf16: the fused CPU optimizer loop did not compile ({_failure}); using the slower"
+                " PyTorch path. It needs a C++ compiler and ninja (`pip install ninja`).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _extension is not None
+
+
+def can_use_fused_cpu(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether a parameter and its gradient suit the fused CPU loop: bf16 on the CPU, contiguous (the optimizer's own
+    state buffers are created so)."""
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in (param, grad))
+
+
+def adamw_update_cpu_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    kahan_comp: torch.Tensor | None,
+    args: UpdateArgs,
+) -> None:
+    """One Adam/AdamW step in place, one pass; same contract and bits as ``adamw_update_torch_`` (bf16, CPU)."""
+    if param.numel() == 0:
+        return
+    _extension.adamw_update_bf16(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        kahan_comp if kahan_comp is not None else param,
+        _ROUNDING_CODES[args.rounding],
+        args.decoupled,
+        args.beta1,
+        1.0 - args.beta1,
+        args.beta2,
+        1.0 - args.beta2,
+        args.eps,
+        args.weight_decay,
+        args.lr * args.weight_decay,
+        -(args.lr / args.bias_correction1),
+        1.0 / args.bias_correction2_sqrt,
+        args.keys[0],
+        args.keys[1],
+        args.keys[2],
+    )
+
+
+__all__ = ["adamw_update_cpu_", "can_use_fused_cpu", "fused_cpu_available"]

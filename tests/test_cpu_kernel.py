@@ -1,0 +1,71 @@
+"""The fused CPU loop against the PyTorch path: the same operations in the same order, so the same bits."""
+
+import pytest
+import torch
+
+import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+from lightning_pure_bf16 import Adam, AdamW
+
+SHAPES = [(6,), (42,), (123,), (431, 7), (1 << 16) + 3, (0,)]
+
+
+def _run(opt_cls, shape, rounding, backend, steps=3, **kw):
+    shape = shape if isinstance(shape, tuple) else (shape,)
+    init = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16)
+    p = init.clone().requires_grad_()
+    opt = opt_cls([p], lr=1e-2, weight_decay=0.05, rounding=rounding, seed=11, backend=backend, **kw)
+    for t in range(steps):
+        p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+        opt.step()
+    return [p.detach(), *(v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.ndim)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("opt_cls", [AdamW, Adam])
+def test_fused_cpu_loop_equals_torch_path_bit_for_bit(opt_cls, shape, rounding):
+    fused = _run(opt_cls, shape, rounding, "cpu")
+    reference = _run(opt_cls, shape, rounding, "torch")
+    assert len(fused) == len(reference) == (4 if rounding == "kahan" else 3)
+    for a, b in zip(fused, reference):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_auto_picks_the_fused_loop_on_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        "lightning_pure_bf16.optim.adamw.adamw_update_cpu_",
+        lambda *a, **k: calls.append(a) or adamw_cpu.adamw_update_cpu_(*a, **k),
+    )
+    _run(AdamW, (10,), "stochastic", "auto", steps=1)
+    assert len(calls) == 1
+
+
+def test_cpu_backend_refuses_non_contiguous_bf16_before_touching_state():
+    q = torch.zeros(4, 4, dtype=torch.bfloat16).t().requires_grad_()
+    q.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+    opt = AdamW([q], backend="cpu")
+    with pytest.raises(RuntimeError, match="needs contiguous bf16 CPU tensors"):
+        opt.step()
+    assert len(opt.state[q]) == 0
+
+
+def test_float32_parameters_take_the_torch_path_whatever_the_backend():
+    p = torch.ones(4, requires_grad=True)
+    p.grad = torch.ones(4)
+    AdamW([p], lr=0.1, weight_decay=0.0, backend="cpu").step()
+    assert torch.allclose(p.detach(), torch.full((4,), 0.9))
+
+
+def test_failed_build_warns_and_falls_back(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(adamw_cpu, "_extension", None)
+    monkeypatch.setattr(adamw_cpu, "_failure", None)
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", broken)
+    with pytest.warns(RuntimeWarning, match="did not compile.*no compiler here"):
+        fallback = _run(AdamW, (50,), "stochastic", "auto", steps=2)
+    monkeypatch.undo()
+    reference = _run(AdamW, (50,), "stochastic", "torch", steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(fallback, reference))
