@@ -69,3 +69,21 @@ def test_failed_build_warns_and_falls_back(monkeypatch):
     monkeypatch.undo()
     reference = _run(AdamW, (50,), "stochastic", "torch", steps=2)
     assert all(torch.equal(a, b) for a, b in zip(fallback, reference))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", [0, 70_000, 131_071])
+def test_fused_nonfinite_check_finds_every_kind_anywhere(bad, where):
+    assert adamw_cpu.fused_cpu_available()
+    g = torch.randn(131_072).to(torch.bfloat16)
+    assert not adamw_cpu.any_nonfinite_cpu(g)
+    g[where] = bad
+    assert adamw_cpu.any_nonfinite_cpu(g)
+
+
+def test_fused_nonfinite_check_accepts_extremes():
+    assert adamw_cpu.fused_cpu_available()
+    finfo = torch.finfo(torch.bfloat16)
+    g = torch.tensor([finfo.max, -finfo.max, finfo.tiny, 0.0, -0.0, 1e-40], dtype=torch.bfloat16)
+    assert not adamw_cpu.any_nonfinite_cpu(g)
+    assert not adamw_cpu.any_nonfinite_cpu(torch.empty(0, dtype=torch.bfloat16))

@@ -1,4 +1,5 @@
-"""The fused CPU loop of the pure-bf16 Adam/AdamW update: one pass over p, g, m, v (and the Kahan buffer).
+"""The fused CPU loop of the pure-bf16 Adam/AdamW update: one pass over p, g, m, v (and the Kahan buffer), and a
+one-pass check of bf16 gradients for inf/NaN.
 
 A small C++ function, compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed;
 without them the optimizer falls back to the chunked PyTorch path, with a warning). It performs exactly the PyTorch
@@ -22,6 +23,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -117,6 +119,19 @@ void dispatch_decay(bool l2, bool decoupled, uint16_t* P, const uint16_t* G, uin
   update_all<ROUNDING, false, false>(P, G, M, V, C, n, s, kp, km, kv);
 }
 
+// Whether any element is inf or NaN (exponent bits all ones): one read-only pass, an OR-reduction that vectorizes.
+bool any_nonfinite_bf16(torch::Tensor t) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(t.data_ptr());
+  std::atomic<bool> found{false};
+  at::parallel_for(0, t.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    // An all-ones exponent plus one exponent step carries into bit 15; any other exponent does not.
+    uint32_t acc = 0;
+    for (int64_t i = begin; i < end; ++i) acc |= (x[i] & 0x7F80u) + 0x0080u;
+    if (acc & 0x8000u) found = true;
+  });
+  return found;
+}
+
 void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                        torch::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
                        double beta2, double one_minus_beta2, double eps, double weight_decay, double decay,
@@ -167,9 +182,9 @@ def fused_cpu_available() -> bool:
             capability = torch.backends.cpu.get_cpu_capability()
             arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
             _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v3_{capability.lower()}",
+                name=f"lightning_pure_bf16_adamw_cpu_v5_{capability.lower()}",
                 cpp_sources=[_source()],
-                functions=["adamw_update_bf16"],
+                functions=["adamw_update_bf16", "any_nonfinite_bf16"],
                 extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *arch],
                 verbose=False,
             )
@@ -188,6 +203,11 @@ def can_use_fused_cpu(param: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether a parameter and its gradient suit the fused CPU loop: bf16 on the CPU, contiguous (the optimizer's own
     state buffers are created so)."""
     return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in (param, grad))
+
+
+def any_nonfinite_cpu(grad: torch.Tensor) -> bool:
+    """Whether a contiguous bf16 CPU tensor holds an inf or NaN (one pass; the fused loop must be available)."""
+    return grad.numel() > 0 and bool(_extension.any_nonfinite_bf16(grad))
 
 
 def adamw_update_cpu_(
@@ -224,4 +244,4 @@ def adamw_update_cpu_(
     )
 
 
-__all__ = ["adamw_update_cpu_", "can_use_fused_cpu", "fused_cpu_available"]
+__all__ = ["adamw_update_cpu_", "any_nonfinite_cpu", "can_use_fused_cpu", "fused_cpu_available"]

@@ -15,7 +15,12 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
-from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_, can_use_fused_cpu, fused_cpu_available
+from lightning_pure_bf16.ops.adamw_cpu import (
+    adamw_update_cpu_,
+    any_nonfinite_cpu,
+    can_use_fused_cpu,
+    fused_cpu_available,
+)
 from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
 from lightning_pure_bf16.ops.rng import Buffer, mix32, stream_key
 
@@ -174,12 +179,19 @@ class AdamW(Optimizer):
     @torch.no_grad()
     def nonfinite_grads(self) -> torch.Tensor:
         """A 0-dim float32 tensor: 1.0 if any gradient of this optimizer holds inf or NaN, else 0.0 (one reduction)."""
-        flags = [
-            torch.logical_not(torch.isfinite(p.grad).all()).to(torch.float32).reshape(1)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
+        flags = []
+        cpu_found = False
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if self.backend in ("auto", "cpu") and can_use_fused_cpu(p, p.grad) and fused_cpu_available():
+                    # One read-only pass; torch's isfinite on bf16 CPU tensors costs more than the update itself.
+                    cpu_found = cpu_found or any_nonfinite_cpu(p.grad)
+                else:
+                    flags.append(torch.logical_not(torch.isfinite(p.grad).all()).to(torch.float32).reshape(1))
+        if cpu_found:
+            return torch.ones((), dtype=torch.float32)
         if not flags:
             return torch.zeros((), dtype=torch.float32)
         devices = {f.device for f in flags}
