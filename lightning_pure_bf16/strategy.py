@@ -44,20 +44,18 @@ from lightning_pure_bf16.config import pure_bf16_deepspeed_config
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
 from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
 from lightning_pure_bf16.ops.rng import mix32
-from lightning_pure_bf16.optim.adamw import Adam, AdamW
+from lightning_pure_bf16.optim.adamw import _BACKENDS, Adam, AdamW
 from lightning_pure_bf16.precision import PureBF16Precision
-
-log = logging.getLogger(__name__)
 
 _DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.1")
 # Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
 _ACCEPTED_PRECISION = ("32-true", "bf16-true")
 # torch.optim options the pure-bf16 optimizer cannot honour, with the value that means "off".
 _UNSUPPORTED_TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
-# Group keys that belong to torch's implementation choice, not to the optimization problem.
 # DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
 _GPU_BUCKET = 200_000_000
 _CPU_BUCKET = 5_000_000
+# Group keys that belong to torch's implementation choice, not to the optimization problem.
 _TORCH_ONLY_GROUP_KEYS = ("foreach", "fused", "decoupled_weight_decay", *_UNSUPPORTED_TORCH_OPTIONS)
 
 
@@ -67,7 +65,7 @@ def _use_cpu_deepspeed_accelerator_if_no_cuda() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def rank_seed(seed: int, rank: int) -> int:
+def _rank_seed(seed: int, rank: int) -> int:
     """The rounding seed of one data-parallel rank: each rank's partition gets an independent noise stream."""
     return (mix32((seed ^ mix32(rank + 0x9E3779B9)) & 0xFFFFFFFF) << 32) | mix32((seed >> 32) ^ rank)
 
@@ -81,7 +79,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             (default: ``"stochastic"``).
         seed: base seed of the rounding noise; each rank derives its own (default: ``None``, the optimizer's default,
             from ``torch.initial_seed()``).
-        backend: optimizer backend, ``"auto"``, ``"triton"`` or ``"torch"`` (default: ``"auto"``).
+        backend: optimizer backend, ``"auto"``, ``"triton"``, ``"cpu"`` or ``"torch"`` (default: ``"auto"``).
         stage: ZeRO stage; only ``3`` is supported (stages 1 and 2 keep a separate master copy) (default: ``3``).
         config: a DeepSpeed config dict or JSON path merged over the strategy's own settings; settings that
             contradict pure bf16 are an error (default: ``None``).
@@ -137,6 +135,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             raise ValueError(f"`DeepSpeedPureBF16Strategy(rounding={rounding!r})` is not one of {ROUNDING_MODES}.")
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ValueError(f"`DeepSpeedPureBF16Strategy(seed={seed!r})` must be a non-negative int or None.")
+        if backend not in _BACKENDS:
+            raise ValueError(f"`DeepSpeedPureBF16Strategy(backend={backend!r})` is not one of {_BACKENDS}.")
         for option in ("offload_optimizer", "offload_parameters"):
             if kwargs.get(option):
                 raise ValueError(
@@ -311,7 +311,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         if scheduler_config is not None and converted is not optimizer:
             _rebind_scheduler(scheduler_config.scheduler, converted)
         base_seed = self.seed if self.seed is not None else converted.seed
-        converted.seed = rank_seed(base_seed, self.global_rank)
+        converted.seed = _rank_seed(base_seed, self.global_rank)
         # ZeRO-3 decides on non-finite gradients for all ranks at once (its all-reduced gradient norm) before any
         # partition is updated; the optimizer sees one sub-group at a time and must not decide on its own.
         converted.check_nonfinite = False

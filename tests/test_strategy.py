@@ -181,6 +181,7 @@ def test_default_and_bf16_true_precision_mean_pure_bf16(precision):
     [
         ({"stage": 2}, "stage=2"),
         ({"rounding": "up"}, "rounding='up'"),
+        ({"backend": "gpu"}, "backend='gpu'"),
         ({"config": {"fp16": {"enabled": True}}}, "fp16.enabled"),
         ({"config": {"bf16": {"bf16_master_weights_and_grads": False}}}, "bf16_master_weights_and_grads"),
         ({"config": {"zero_optimization": {"stage": 2}}}, "ZeRO stage 3"),
