@@ -7,6 +7,7 @@ fixed number of float32/int32 chunk-sized tensors, so extra memory stays bounded
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,21 @@ from lightning_pure_bf16.ops.rounding import nearest_round_bf16, stochastic_roun
 DEFAULT_CHUNK = 1 << 18
 
 ROUNDING_MODES = ("stochastic", "kahan", "nearest")
+
+
+class KernelScalars(NamedTuple):
+    """The float scalars every backend's update uses, derived once in float64 (each backend then rounds them to
+    float32, as torch does with a Python scalar in a float32 op). Order = the kernels' argument order."""
+
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    decay: float  # lr * weight_decay, the decoupled decay factor
+    neg_step_size: float  # -lr / bias_correction1
+    inv_bias_correction2_sqrt: float
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,20 @@ class UpdateArgs:
     @property
     def bias_correction2_sqrt(self) -> float:
         return (1.0 - self.beta2**self.step) ** 0.5
+
+    @property
+    def scalars(self) -> KernelScalars:
+        return KernelScalars(
+            beta1=self.beta1,
+            one_minus_beta1=1.0 - self.beta1,
+            beta2=self.beta2,
+            one_minus_beta2=1.0 - self.beta2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            decay=self.lr * self.weight_decay,
+            neg_step_size=-(self.lr / self.bias_correction1),
+            inv_bias_correction2_sqrt=1.0 / self.bias_correction2_sqrt,
+        )
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -81,8 +111,7 @@ def adamw_update_torch_(
     bf16 = param.dtype == torch.bfloat16
     local = torch.arange(min(chunk_size, n), dtype=torch.int32, device=param.device) if bf16 else None
 
-    step_size = args.lr / args.bias_correction1
-    decay = args.lr * args.weight_decay
+    s = args.scalars
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         # Compute in fp32 whatever the storage dtype: bf16 arithmetic would round every intermediate.
@@ -90,20 +119,20 @@ def adamw_update_torch_(
         g = g_flat[start:end].float()
         m = m_flat[start:end].float()
         v = v_flat[start:end].float()
-        if not args.decoupled and args.weight_decay != 0.0:
-            g.add_(torch.mul(p, args.weight_decay))
-        # Each product is rounded on its own (no fused multiply-add), in the kernel's order, so both backends land on
+        if not args.decoupled and s.weight_decay != 0.0:
+            g.add_(torch.mul(p, s.weight_decay))
+        # Each product is rounded on its own (no fused multiply-add), in the kernels' order, so all backends land on
         # the same side of bf16 rounding ties, which moments of bf16 inputs hit often.
-        v.mul_(args.beta2).add_(torch.mul(g, g).mul_(1.0 - args.beta2))
-        m.mul_(args.beta1).add_(g.mul_(1.0 - args.beta1))
+        v.mul_(s.beta2).add_(torch.mul(g, g).mul_(s.one_minus_beta2))
+        m.mul_(s.beta1).add_(g.mul_(s.one_minus_beta1))
         # The denominator uses the fp32 moments: rounding happens only on the final writes. The square root goes
         # through float64 to be correctly rounded (torch's CPU float32 sqrt is not), as in the other backends.
-        delta = v.double().sqrt_().float().mul_(1.0 / args.bias_correction2_sqrt).add_(args.eps)
-        torch.div(m, delta, out=delta).mul_(-step_size)
-        if args.decoupled and decay != 0.0:
+        delta = v.double().sqrt_().float().mul_(s.inv_bias_correction2_sqrt).add_(s.eps)
+        torch.div(m, delta, out=delta).mul_(s.neg_step_size)
+        if args.decoupled and s.decay != 0.0:
             # Weight decay is part of the same fp32 update and the same rounded write: rounded on its own, a sub-ulp
             # lr*wd*p would vanish.
-            delta.sub_(g.copy_(p).mul_(decay))
+            delta.sub_(g.copy_(p).mul_(s.decay))
 
         if not bf16:
             p_flat[start:end] = p.add_(delta)
@@ -136,4 +165,4 @@ def adamw_update_torch_(
             t.copy_(flat.view(t.shape))
 
 
-__all__ = ["DEFAULT_CHUNK", "ROUNDING_MODES", "UpdateArgs", "adamw_update_torch_"]
+__all__ = ["DEFAULT_CHUNK", "ROUNDING_MODES", "KernelScalars", "UpdateArgs", "adamw_update_torch_"]

@@ -71,7 +71,7 @@ def _adamw_kernel(
     eps,
     weight_decay,
     decay,
-    step_size,
+    neg_step_size,
     inv_bias_correction2_sqrt,
     key_p,
     key_m,
@@ -100,7 +100,7 @@ def _adamw_kernel(
     v = beta2 * v + one_minus_beta2 * (g * g)
     # The denominator uses the fp32 moments: rounding happens only on the final writes. Square root and division
     # are the correctly rounded ones (tl.sqrt and "/" are approximate on GPUs), as in the other backends.
-    delta = -step_size * tl.div_rn(m, tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps)
+    delta = tl.div_rn(m, tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps) * neg_step_size
     if DECOUPLED:
         # Weight decay inside the same fp32 update and the same rounded write, so a sub-ulp lr*wd*p still counts.
         delta = delta - decay * p
@@ -155,15 +155,7 @@ def adamw_update_triton_(
         exp_avg_sq,
         kahan_comp if kahan_comp is not None else param,
         n,
-        args.beta1,
-        1.0 - args.beta1,
-        args.beta2,
-        1.0 - args.beta2,
-        args.eps,
-        args.weight_decay,
-        args.lr * args.weight_decay,
-        args.lr / args.bias_correction1,
-        1.0 / args.bias_correction2_sqrt,
+        *args.scalars,
         args.keys[0],
         args.keys[1],
         args.keys[2],
