@@ -38,7 +38,7 @@ step() {  # name, time limit (s), command...
     echo "== $name" >&2
     timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1 || { echo "$name failed (see $RESULTS/$name.log)" >&2; status=1; }
 }
-step kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernel.py tests/test_adamw.py
+step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernel.py tests/test_adamw.py tests/test_gpu.py
 step optimizer_step 120 python3 benchmarks/optimizer_step.py --out "$RESULTS"
 step memory 90 python3 benchmarks/memory.py --world-size 1 --out "$RESULTS"
 step gpt_throughput 150 python3 benchmarks/gpt_throughput.py --out "$RESULTS"

@@ -242,3 +242,13 @@ def test_lightning_cli(tmp_path, source):
         assert r["strategy"] == "DeepSpeedPureBF16Strategy" and r["rounding"] == expected
         assert r["optimizer"] == "AdamW" and r["global_step"] == 3 and r["world_size"] == 2
         assert r["memory_report"]["total"] == pytest.approx(8.0 if expected == "stochastic" else 10.0)
+
+
+def test_one_update_call_per_sub_group_per_step(tmp_path):
+    # A small sub-group size splits each rank's partition into several ZeRO-3 sub-groups.
+    strategy = {**EXACT, "sub_group_size": 1500}
+    fit(tmp_path, devices=2, steps=3, strategy=strategy, count_updates=True)
+    for r in load_ranks(tmp_path):
+        assert r["sub_groups"] > 1
+        # Each step updates every sub-group's whole flat partition exactly once.
+        assert r["update_calls"] == r["sub_group_numels"] * 3

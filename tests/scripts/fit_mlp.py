@@ -98,7 +98,7 @@ def main(out: Path, opts: dict) -> None:
     if isinstance(strategy, dict):
         strategy = DeepSpeedPureBF16Strategy(**strategy)
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=opts.get("accelerator", "cpu"),
         devices=opts.get("devices", 2),
         num_nodes=opts.get("num_nodes", 1),
         strategy=strategy,
@@ -125,6 +125,7 @@ def main(out: Path, opts: dict) -> None:
         torch.save(result_init, out / "init_weights_loaded.pt")
     if opts.get("kill_during_save"):
         _kill_after_first_staged_file()
+    update_calls = _count_update_calls() if opts.get("count_updates") else None
     trainer.fit(model, loader, loader, ckpt_path=opts.get("ckpt_path"))
     if opts.get("save_at_end"):
         trainer.save_checkpoint(opts["save_at_end"])
@@ -173,6 +174,10 @@ def main(out: Path, opts: dict) -> None:
         preds = trainer.predict(model, DataLoader(data(32), batch_size=16))
         result["predict_shapes"] = [tuple(p.shape) for p in preds]
         result["predict_finite"] = all(bool(torch.isfinite(p.float()).all()) for p in preds)
+    if update_calls is not None:
+        result["update_calls"] = list(update_calls)
+        result["sub_groups"] = len(zero.fp16_groups)
+        result["sub_group_numels"] = [t.numel() for t in zero.fp32_partitioned_groups_flat]
     if opts.get("gather_full"):
         import deepspeed
 
@@ -181,6 +186,34 @@ def main(out: Path, opts: dict) -> None:
             full = {k: v.detach().clone() for k, v in model.state_dict().items()}
         result["full_state"] = full
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def _count_update_calls() -> list:
+    """Record the size of every tensor the optimizer's update function is called with (any backend)."""
+    import lightning_pure_bf16.optim.adamw as adamw_module
+
+    calls = []
+    for name in ("adamw_update_cpu_", "adamw_update_torch_"):
+        original = getattr(adamw_module, name)
+
+        def counted(param, *args, _original=original, **kwargs):
+            calls.append(param.numel())
+            return _original(param, *args, **kwargs)
+
+        setattr(adamw_module, name, counted)
+    triton_factory = adamw_module._triton_update
+
+    def counted_triton():
+        update = triton_factory()
+
+        def counted(param, *args, **kwargs):
+            calls.append(param.numel())
+            return update(param, *args, **kwargs)
+
+        return counted
+
+    adamw_module._triton_update = counted_triton
+    return calls
 
 
 def _kill_after_first_staged_file() -> None:
