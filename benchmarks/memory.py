@@ -65,10 +65,10 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     from lightning_pure_bf16.memory import reachable_tensors, zero3_model_state_report
     from lightning_pure_bf16.strategy import init_zero3_optimizer_state
 
-    deepspeed.init_distributed("gloo" if device == "cpu" else "nccl", dist_init_required=True)
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank)  # before the process group, so NCCL binds this rank to its GPU
         torch.cuda.reset_peak_memory_stats()
+    deepspeed.init_distributed("gloo" if device == "cpu" else "nccl", dist_init_required=True)
     torch.manual_seed(0)
     model = make_model(width, depth).to(torch.bfloat16)
     base = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": dict(ZERO), "zero_allow_untested_optimizer": True}
