@@ -87,8 +87,16 @@ def _recover_path(path: Path) -> Path:
     return path
 
 
+def _tag(directory: Path) -> str:
+    # Our saves use one fixed tag; a plain DeepSpeed checkpoint names its newest tag in `latest`.
+    latest = directory / "latest"
+    if not (directory / TAG).is_dir() and latest.is_file():
+        return latest.read_text().strip()
+    return TAG
+
+
 def _optim_files(directory: Path) -> list[Path]:
-    return sorted((directory / TAG).glob("*_optim_states.pt"))
+    return sorted((directory / _tag(directory)).glob("*_optim_states.pt"))
 
 
 def _master_dtype(directory: Path) -> torch.dtype | None:
@@ -181,7 +189,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     # DeepSpeed's reader prints progress and progress bars; the caller reports what matters.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
-            state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
+            state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=_tag(directory))
         except (OSError, ValueError, RuntimeError) as err:
             raise CheckpointError(f"Could not read the checkpoint '{requested}': {err}") from err
     converted = [k for k, v in state.items() if v.dtype == torch.float32]

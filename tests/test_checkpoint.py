@@ -183,3 +183,11 @@ def test_fp32_master_checkpoint_is_converted_with_a_message(fp32_master_checkpoi
     for key, value in reference.items():
         assert value.dtype == torch.float32
         assert torch.equal(state[key], value.to(torch.bfloat16))
+
+
+def test_plain_deepspeed_tag_is_found_through_latest(fp32_master_checkpoint):
+    tagged = fp32_master_checkpoint.parent / "mixed_tagged"
+    assert (tagged / "latest").read_text().strip().startswith("global_step")
+    state = consolidate_checkpoint(tagged)
+    assert set(state) == set(consolidate_checkpoint(fp32_master_checkpoint))
+    assert all(v.dtype == torch.bfloat16 for v in state.values())

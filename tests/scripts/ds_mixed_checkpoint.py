@@ -1,4 +1,5 @@
-"""Writes a DeepSpeed ZeRO-3 bf16-mixed checkpoint (fp32 master weights) to OUT/mixed: one CPU process, gloo."""
+"""Writes DeepSpeed ZeRO-3 bf16-mixed checkpoints (fp32 master weights) to OUT/mixed and OUT/mixed_tagged (DeepSpeed's
+own tag): one CPU process, gloo."""
 
 import argparse
 import os
@@ -34,3 +35,4 @@ for _ in range(2):
     engine.backward(loss)
     engine.step()
 engine.save_checkpoint(str(out / "mixed"), tag="checkpoint")
+engine.save_checkpoint(str(out / "mixed_tagged"))  # DeepSpeed's own tag (global_stepN), named in `latest`
