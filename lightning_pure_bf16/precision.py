@@ -7,8 +7,6 @@ from typing import Literal
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from typing_extensions import override
 
-_ACCEPTED_FLAGS = ("32-true", "bf16-true")
-
 
 class PureBF16Precision(DeepSpeedPrecision):
     """Casts the LightningModule and floating-point batch tensors to bf16; the DeepSpeed engine runs backward and step.

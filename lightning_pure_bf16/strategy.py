@@ -21,7 +21,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -212,10 +212,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             self._precision_plugin = precision_plugin
             return
         flag = getattr(precision_plugin, "precision", None)
-        if flag not in _ACCEPTED_PRECISION or type(precision_plugin).__name__ not in (
-            "DeepSpeedPrecision",
-            "Precision",
-        ):
+        # Only the plugin the Trainer makes from a precision flag is translated; any other plugin is a user choice.
+        if flag not in _ACCEPTED_PRECISION or type(precision_plugin) not in (DeepSpeedPrecision, Precision):
             raise ValueError(
                 f"`Trainer(strategy='{self.strategy_name}', precision={flag!r})` is not supported: this strategy trains"
                 " in pure bf16. Leave `precision` unset or pass `precision='bf16-true'`."

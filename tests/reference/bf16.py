@@ -17,13 +17,6 @@ def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lower, upper
 
 
-def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """Distance from each bf16 value to the next one away from zero, as float64."""
-    xb = x.to(torch.bfloat16)
-    away = torch.where(xb >= 0, torch.full_like(xb, float("inf")), torch.full_like(xb, float("-inf")))
-    return (torch.nextafter(xb, away).double() - xb.double()).abs()
-
-
 @dataclass(frozen=True)
 class Tolerance:
     rtol: float
