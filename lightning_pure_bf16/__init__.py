@@ -1,6 +1,7 @@
 """Pure-bf16 training for PyTorch Lightning: bf16 parameters, gradients and optimizer states, no fp32 master copy.
 
-Importing the package registers ``"deepspeed_pure_bf16"`` and ``"deepspeed_pure_bf16_kahan"`` with Lightning, so
+Importing the package registers ``"deepspeed_pure_bf16"``, ``"deepspeed_pure_bf16_kahan"`` and
+``"deepspeed_pure_bf16_mmap"`` (optimizer states in memory-mapped files) with Lightning, so
 ``Trainer(strategy="deepspeed_pure_bf16")`` works in any script or LightningCLI config that imports it.
 """
 
@@ -8,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint
 from lightning_pure_bf16.optim import Adam, AdamW
+from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.precision import PureBF16Precision
 from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
 
@@ -21,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "DeepSpeedPureBF16Strategy",
     "PureBF16Precision",
+    "StateStorageError",
     "__version__",
     "consolidate_checkpoint",
 ]

@@ -64,10 +64,10 @@ struct Scalars {
 template <int ROUNDING, bool L2, bool DECOUPLED>
 void update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
                   uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end, const Scalars& s,
-                  uint32_t kp, uint32_t km, uint32_t kv) {
+                  uint32_t kp, uint32_t km, uint32_t kv, uint32_t lo_offset) {
   // The five buffers never overlap (restrict lets the compiler vectorize without run-time alias checks).
   for (int64_t i = begin; i < end; ++i) {
-    const uint32_t lo = static_cast<uint32_t>(i);
+    const uint32_t lo = static_cast<uint32_t>(i) + lo_offset;  // low word of the index in the whole tensor
     const float p = widen(P[i]);
     float g = widen(G[i]);
     float m = widen(M[i]);
@@ -99,15 +99,18 @@ void update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint
 
 template <int ROUNDING, bool L2, bool DECOUPLED>
 void update_all(uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16_t* C, int64_t n, const Scalars& s,
-                int64_t key_p, int64_t key_m, int64_t key_v) {
+                int64_t key_p, int64_t key_m, int64_t key_v, int64_t offset) {
+  // Random bits belong to the index in the whole tensor (offset + i); blocks split where its high word changes.
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     while (begin < end) {
-      const int64_t block_end = std::min(end, ((begin >> 32) + 1) << 32);
-      const uint32_t hi = static_cast<uint32_t>(begin >> 32);
+      const int64_t global = begin + offset;
+      const int64_t block_end = std::min(end, (((global >> 32) + 1) << 32) - offset);
+      const uint32_t hi = static_cast<uint32_t>(global >> 32);
       update_block<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, block_end, s,
                                             mix32(static_cast<uint32_t>(key_p) ^ hi),
                                             mix32(static_cast<uint32_t>(key_m) ^ hi),
-                                            mix32(static_cast<uint32_t>(key_v) ^ hi));
+                                            mix32(static_cast<uint32_t>(key_v) ^ hi),
+                                            static_cast<uint32_t>(offset));
       begin = block_end;
     }
   });
@@ -115,10 +118,10 @@ void update_all(uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16
 
 template <int ROUNDING>
 void dispatch_decay(bool l2, bool decoupled, uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16_t* C,
-                    int64_t n, const Scalars& s, int64_t kp, int64_t km, int64_t kv) {
-  if (l2) return update_all<ROUNDING, true, false>(P, G, M, V, C, n, s, kp, km, kv);
-  if (decoupled) return update_all<ROUNDING, false, true>(P, G, M, V, C, n, s, kp, km, kv);
-  update_all<ROUNDING, false, false>(P, G, M, V, C, n, s, kp, km, kv);
+                    int64_t n, const Scalars& s, int64_t kp, int64_t km, int64_t kv, int64_t off) {
+  if (l2) return update_all<ROUNDING, true, false>(P, G, M, V, C, n, s, kp, km, kv, off);
+  if (decoupled) return update_all<ROUNDING, false, true>(P, G, M, V, C, n, s, kp, km, kv, off);
+  update_all<ROUNDING, false, false>(P, G, M, V, C, n, s, kp, km, kv, off);
 }
 
 // Whether any element is inf or NaN (exponent bits all ones): one read-only pass, an OR-reduction that vectorizes.
@@ -138,7 +141,7 @@ void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor ex
                        torch::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
                        double beta2, double one_minus_beta2, double eps, double weight_decay, double decay,
                        double neg_step_size, double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m,
-                       int64_t key_v) {
+                       int64_t key_v, int64_t index_offset) {
   uint16_t* P = reinterpret_cast<uint16_t*>(param.data_ptr());
   const uint16_t* G = reinterpret_cast<const uint16_t*>(grad.data_ptr());
   uint16_t* M = reinterpret_cast<uint16_t*>(exp_avg.data_ptr());
@@ -152,9 +155,9 @@ void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor ex
                   static_cast<float>(inv_bias_correction2_sqrt)};
   const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
   const int64_t n = param.numel();
-  if (rounding == 0) dispatch_decay<0>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v);
-  else if (rounding == 1) dispatch_decay<1>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v);
-  else dispatch_decay<2>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v);
+  if (rounding == 0) dispatch_decay<0>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v, index_offset);
+  else if (rounding == 1) dispatch_decay<1>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v, index_offset);
+  else dispatch_decay<2>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v, index_offset);
 }
 """
 
@@ -185,7 +188,7 @@ def fused_cpu_available() -> bool:
             capability = torch.backends.cpu.get_cpu_capability()
             arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
             _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v6_{capability.lower()}",
+                name=f"lightning_pure_bf16_adamw_cpu_v7_{capability.lower()}",
                 cpp_sources=[_source()],
                 functions=["adamw_update_bf16", "any_nonfinite_bf16"],
                 extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *arch],
@@ -220,8 +223,13 @@ def adamw_update_cpu_(
     exp_avg_sq: torch.Tensor,
     kahan_comp: torch.Tensor | None,
     args: UpdateArgs,
+    *,
+    index_offset: int = 0,
 ) -> None:
-    """One Adam/AdamW step in place, one pass; same contract and bits as ``adamw_update_torch_`` (bf16, CPU)."""
+    """One Adam/AdamW step in place, one pass; same contract and bits as ``adamw_update_torch_`` (bf16, CPU).
+
+    ``index_offset``: index of the first element in the whole tensor when the buffers are one piece of it.
+    """
     if param.numel() == 0:
         return
     _extension.adamw_update_bf16(
@@ -236,6 +244,7 @@ def adamw_update_cpu_(
         args.keys[0],
         args.keys[1],
         args.keys[2],
+        index_offset,
     )
 
 

@@ -86,6 +86,7 @@ def adamw_update_torch_(
     args: UpdateArgs,
     *,
     chunk_size: int = DEFAULT_CHUNK,
+    index_offset: int = 0,
 ) -> None:
     """Apply one Adam/AdamW step in place to ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``kahan_comp``).
 
@@ -99,9 +100,17 @@ def adamw_update_torch_(
         kahan_comp: bf16 compensation buffer when ``args.rounding == "kahan"`` and ``param`` is bf16, else ``None``.
         args: the step's scalars.
         chunk_size: elements per chunk; a power of two (default: ``2**18``).
+        index_offset: index of the first element within the whole tensor, when the buffers are one piece of it (the
+            random bits belong to the element's index in the whole tensor); a multiple of ``chunk_size`` or of a power
+            of two at least ``param.numel()`` (default: ``0``).
     """
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
+    if index_offset < 0 or index_offset % min(chunk_size, 1 << max(param.numel() - 1, 0).bit_length()):
+        raise ValueError(
+            f"`index_offset={index_offset}` must be a non-negative multiple of the chunk size ({chunk_size}) or of a"
+            " power of two no smaller than the piece."
+        )
     n = param.numel()
     if n == 0:
         return
@@ -153,9 +162,9 @@ def adamw_update_torch_(
                 p_out = nearest_round_bf16(p + y)
                 c_flat[start:end] = nearest_round_bf16(y.sub_(p_out.float().sub_(p)))
             else:
-                p_out = stochastic_round_bf16(p.add_(delta), random_bits(args.keys[0], start, idx))
-            m_out = stochastic_round_bf16(m, random_bits(args.keys[1], start, idx))
-            v_out = stochastic_round_bf16(v, random_bits(args.keys[2], start, idx))
+                p_out = stochastic_round_bf16(p.add_(delta), random_bits(args.keys[0], index_offset + start, idx))
+            m_out = stochastic_round_bf16(m, random_bits(args.keys[1], index_offset + start, idx))
+            v_out = stochastic_round_bf16(v, random_bits(args.keys[2], index_offset + start, idx))
         p_flat[start:end] = p_out
         m_flat[start:end] = m_out
         v_flat[start:end] = v_out

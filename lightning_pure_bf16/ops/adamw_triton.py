@@ -56,7 +56,7 @@ def _nearest_round(x):
     return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
-@triton.jit(do_not_specialize=["key_p", "key_m", "key_v"])
+@triton.jit(do_not_specialize=["key_p", "key_m", "key_v", "index_offset"])
 def _adamw_kernel(
     p_ptr,
     g_ptr,
@@ -76,6 +76,7 @@ def _adamw_kernel(
     key_p,
     key_m,
     key_v,
+    index_offset,
     ROUNDING: tl.constexpr,
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -84,9 +85,11 @@ def _adamw_kernel(
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < n_elements
-    # The block never crosses a 2**32 boundary, so the high index word is one scalar (see ops.rng).
-    hi = (start >> 32).to(tl.uint32)
-    lo = offsets.to(tl.uint32)
+    # Random bits belong to the index in the whole tensor; index_offset is a multiple of BLOCK, so the block never
+    # crosses a 2**32 boundary and the high index word is one scalar (see ops.rng).
+    global_start = start + index_offset
+    hi = (global_start >> 32).to(tl.uint32)
+    lo = (global_start + tl.arange(0, BLOCK)).to(tl.uint32)
 
     # Upcast to fp32: every intermediate in bf16 would round.
     p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -133,15 +136,20 @@ def adamw_update_triton_(
     exp_avg_sq: torch.Tensor,
     kahan_comp: torch.Tensor | None,
     args: UpdateArgs,
+    *,
+    index_offset: int = 0,
 ) -> None:
     """Apply one Adam/AdamW step in place with one kernel launch (bf16 ``param``, ``exp_avg``, ``exp_avg_sq``).
 
     Same contract and same random bits as :func:`lightning_pure_bf16.ops.adamw_torch.adamw_update_torch_`; all
-    buffers must be contiguous.
+    buffers must be contiguous. ``index_offset`` (a multiple of ``BLOCK_SIZE``) is the index of the first element in
+    the whole tensor when the buffers are one piece of it.
     """
     n = param.numel()
     if n == 0:
         return
+    if index_offset < 0 or index_offset % BLOCK_SIZE:
+        raise ValueError(f"`index_offset={index_offset}` must be a non-negative multiple of {BLOCK_SIZE}.")
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if not t.is_contiguous():
             raise ValueError(f"The Triton AdamW kernel needs contiguous buffers; `{name}` is not.")
@@ -159,6 +167,7 @@ def adamw_update_triton_(
         args.keys[0],
         args.keys[1],
         args.keys[2],
+        index_offset,
         ROUNDING=_ROUNDING_CODES[args.rounding],
         DECOUPLED=args.decoupled,
         BLOCK=BLOCK_SIZE,

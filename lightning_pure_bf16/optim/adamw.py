@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -23,13 +25,23 @@ from lightning_pure_bf16.ops.adamw_cpu import (
 )
 from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
 from lightning_pure_bf16.ops.rng import Buffer, mix32, stream_key
+from lightning_pure_bf16.optim.mmap_states import (
+    DEFAULT_STATE_CHUNK,
+    MmapStateStore,
+    StateStreamer,
+    check_state_dir,
+)
 
 _TRITON_AVAILABLE = RequirementCache("triton")
 
 Rounding = Literal["stochastic", "kahan", "nearest"]
 Backend = Literal["auto", "triton", "cpu", "torch"]
+StateStorage = Literal["memory", "mmap"]
 
 _BACKENDS = ("auto", "triton", "cpu", "torch")
+_STATE_STORAGES = ("memory", "mmap")
+# State entries with one element per parameter element (what ``state_storage`` decides the place of).
+_BUFFER_KEYS = ("exp_avg", "exp_avg_sq", "kahan_comp")
 # torch.optim options this optimizer does not implement, with the value that means "off".
 _UNSUPPORTED_OFF: dict[str, Any] = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _STATE_EXTRA_KEY = "pure_bf16"
@@ -84,6 +96,14 @@ class AdamW(Optimizer):
             when it imports, the fused loop for CPU tensors when it compiles, else PyTorch (default: ``"auto"``). All
             give the same results bit for bit on the CPU; float32 parameters always take the PyTorch path.
         chunk_size: elements per chunk of the PyTorch path, a power of two (default: ``2**18``).
+        state_storage: where the moments (and the Kahan buffer) live: ``"memory"``, next to the parameter, or
+            ``"mmap"``, in one memory-mapped file per parameter tensor under ``state_dir``, streamed through the
+            update in chunks (same results bit for bit; the device holds 4 bytes/param less) (default: ``"memory"``).
+        state_dir: an existing, writable directory for the state files, ideally on a local NVMe disk; required with
+            ``state_storage="mmap"``. Each optimizer makes its own subdirectory, removed by :meth:`close` (default:
+            ``None``).
+        state_chunk_size: elements per streamed chunk with ``state_storage="mmap"``, a power of two (default:
+            ``2**22``).
 
     Attributes:
         skipped_steps: steps skipped because a gradient was inf/NaN (saved in ``state_dict()``).
@@ -108,6 +128,9 @@ class AdamW(Optimizer):
         seed: int | None = None,
         backend: Backend = "auto",
         chunk_size: int = DEFAULT_CHUNK,
+        state_storage: StateStorage = "memory",
+        state_dir: str | os.PathLike | None = None,
+        state_chunk_size: int = DEFAULT_STATE_CHUNK,
         foreach: bool | None = None,
         fused: bool | None = None,
         **unsupported: Any,
@@ -138,6 +161,29 @@ class AdamW(Optimizer):
                 f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
             )
         _check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
+        if state_storage not in _STATE_STORAGES:
+            raise ValueError(f"`{name}(state_storage={state_storage!r})` is not one of {_STATE_STORAGES}.")
+        if state_storage == "mmap" and state_dir is None:
+            raise ValueError(
+                f"`{name}(state_storage='mmap')` needs `state_dir`: an existing directory for the state files, ideally"
+                " on a local NVMe disk."
+            )
+        if state_storage == "memory" and state_dir is not None:
+            raise ValueError(
+                f"`{name}(state_dir=...)` is only used with `state_storage='mmap'`; pass both or neither."
+            )
+        if state_chunk_size < 1024 or state_chunk_size & (state_chunk_size - 1):
+            raise ValueError(f"`state_chunk_size` must be a power of two >= 1024, got {state_chunk_size}.")
+        self.state_storage = state_storage
+        self.state_chunk_size = state_chunk_size
+        self._store: MmapStateStore | None = None
+        self._streamers: dict[tuple[torch.device, torch.dtype, int], StateStreamer] = {}
+        self._closed = False
+        if state_storage == "mmap":
+            who = f"{name}(state_storage='mmap', state_dir={os.fspath(state_dir)!r})"  # type: ignore[arg-type]
+            self._store = MmapStateStore(check_state_dir(state_dir, who=who), who=who)  # type: ignore[arg-type]
+            # Files are removed when the optimizer is closed, garbage-collected, or the interpreter exits.
+            self._finalizer = weakref.finalize(self, _close_storage, self._store, self._streamers)
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -176,6 +222,25 @@ class AdamW(Optimizer):
         )
         super().add_param_group(param_group)
 
+    @property
+    def state_dir(self) -> str | None:
+        """The directory holding this optimizer's state files (its own subdirectory of ``state_dir``), if any."""
+        if self._store is None:
+            return None
+        return os.fspath(self._store.directory or self._store.root)
+
+    def close(self) -> None:
+        """Remove the state files (``state_storage="mmap"``) and stop the streaming threads; idempotent.
+
+        The optimizer cannot step afterwards. With in-memory states it only marks the optimizer closed.
+        """
+        if self._store is not None:
+            self._finalizer()
+            for state in self.state.values():
+                for key in _BUFFER_KEYS:
+                    state.pop(key, None)
+        self._closed = True
+
     @torch.no_grad()
     def nonfinite_grads(self) -> torch.Tensor:
         """A 0-dim float32 tensor: 1.0 if any gradient of this optimizer holds inf or NaN, else 0.0 (one reduction)."""
@@ -206,6 +271,8 @@ class AdamW(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step; skipped entirely (no buffer or counter changes) when any gradient is inf/NaN."""
+        if self._closed:
+            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -225,6 +292,12 @@ class AdamW(Optimizer):
             for p in group["params"]
             if p.grad is not None
         ]
+        if self._store is not None:
+            # All files of this step exist (created together, after one free-space check) and are intact before
+            # any buffer changes.
+            self.init_states([(p, group) for p, group, _ in plan])
+            for p, _, _ in plan:
+                self._store.verify(self.state[p]["stream"])
         for p, group, backend in plan:
             self._update(p, group, backend)
         return loss
@@ -235,17 +308,47 @@ class AdamW(Optimizer):
         Callers that own the parameters (the ZeRO-3 strategy) use it so that memory is allocated, reported and, if
         short, fails at setup rather than at the first step. Idempotent.
         """
-        state = self.state[p]
-        if len(state) == 0:
-            state["step"] = torch.zeros((), dtype=torch.int64)
-            # The stream id decorrelates the rounding noise of different tensors; it is fixed at first use and saved.
-            state["stream"] = self._next_stream
-            self._next_stream += 1
-            state["exp_avg"] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-        if group["rounding"] == "kahan" and p.dtype == torch.bfloat16 and "kahan_comp" not in state:
-            state["kahan_comp"] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-        return state
+        self.init_states([(p, group)])
+        return self.state[p]
+
+    def init_states(self, params: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """:meth:`init_state` for several parameters; with ``state_storage="mmap"`` their files are created together,
+        after one check that the disk has room for all of them (all or none). Idempotent."""
+        pending: list[tuple[torch.Tensor, dict[str, Any], list[str]]] = []
+        for p, group in params:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.zeros((), dtype=torch.int64)
+                # The stream id decorrelates the rounding noise of different tensors; fixed at first use and saved.
+                state["stream"] = self._next_stream
+                self._next_stream += 1
+            keys = [k for k in self._buffer_keys(p, group) if k not in state]
+            if keys:
+                pending.append((p, group, keys))
+        if self._store is None:
+            for p, _, keys in pending:
+                for key in keys:
+                    self.state[p][key] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            return
+        for p, _, keys in pending:
+            if self.state[p]["stream"] in self._store.files:
+                raise RuntimeError(
+                    f"{type(self).__name__}(state_storage='mmap'): a parameter needs the state buffers {keys} added to"
+                    " its existing state file (its group's `rounding` changed to 'kahan' after its first step); that"
+                    " is not supported. Set the rounding before the first step."
+                )
+        requests = [(self.state[p]["stream"], p.numel(), len(self._buffer_keys(p, g)), p.dtype) for p, g, _ in pending]
+        created = self._store.allocate(requests)
+        for p, group, _ in pending:
+            buffers = created[self.state[p]["stream"]]
+            for key, flat in zip(self._buffer_keys(p, group), buffers):
+                self.state[p][key] = flat.view(p.shape)
+
+    @staticmethod
+    def _buffer_keys(p: torch.Tensor, group: dict[str, Any]) -> tuple[str, ...]:
+        if group["rounding"] == "kahan" and p.dtype == torch.bfloat16:
+            return _BUFFER_KEYS
+        return _BUFFER_KEYS[:2]
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
         grad = p.grad
@@ -266,13 +369,42 @@ class AdamW(Optimizer):
             rounding=rounding,
             keys=tuple(stream_key(self.seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
         )
-        buffers = (p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp)
         if backend == "triton":
-            _triton_update()(*buffers, args)
+            update: Callable[..., None] = _triton_update()
         elif backend == "cpu":
-            adamw_update_cpu_(*buffers, args)
+            update = adamw_update_cpu_
         else:
-            adamw_update_torch_(*buffers, args, chunk_size=self.chunk_size)
+            update = partial(adamw_update_torch_, chunk_size=self.chunk_size)
+        if self._store is None:
+            update(p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp, args)
+            return
+        self._update_streamed(update, p, grad, state, kahan_comp is not None, args)
+
+    def _update_streamed(
+        self,
+        update: Callable[..., None],
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        kahan: bool,
+        args: UpdateArgs,
+    ) -> None:
+        states = [state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+        if kahan:
+            states.append(state["kahan_comp"].view(-1))
+        key = (p.device, p.dtype, len(states))
+        streamer = self._streamers.get(key)
+        if streamer is None:
+            streamer = self._streamers[key] = StateStreamer(p.device, p.dtype, len(states), self.state_chunk_size)
+        p_flat = p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
+        g_flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+
+        def forward(chunks: list[torch.Tensor]) -> tuple[Any, ...]:
+            return chunks[0], chunks[1], chunks[2] if kahan else None, args
+
+        streamer.update(update, p_flat, g_flat, states, forward)
+        if not p.is_contiguous():
+            p.copy_(p_flat.view(p.shape))
 
     def _pick_backend(self, p: torch.Tensor) -> str:
         grad = p.grad
@@ -319,7 +451,11 @@ class AdamW(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict`; restores the seed, so the run continues bit for bit."""
+        """Load a state dict from :meth:`state_dict`; restores the seed, so the run continues bit for bit.
+
+        States saved with either ``state_storage`` load into either: with ``"mmap"`` the saved moments are copied
+        into fresh state files (checked against the parameters first) instead of being moved to the device.
+        """
         state_dict = dict(state_dict)
         extra = state_dict.pop(_STATE_EXTRA_KEY, None)
         if extra is None:
@@ -327,6 +463,13 @@ class AdamW(Optimizer):
                 f"This state dict has no {_STATE_EXTRA_KEY!r} entry: it was not saved by a lightning_pure_bf16"
                 " optimizer, so its rounding seed and counters are unknown."
             )
+        saved_buffers: dict[Any, dict[str, torch.Tensor]] = {}
+        if self._store is not None:
+            saved_buffers = self._check_saved_buffers(state_dict)
+            state_dict["state"] = {
+                index: {k: v for k, v in st.items() if k not in _BUFFER_KEYS}
+                for index, st in state_dict["state"].items()
+            }
         super().load_state_dict(state_dict)
         self.seed = int(extra["seed"])
         self.skipped_steps = int(extra["skipped_steps"])
@@ -335,6 +478,50 @@ class AdamW(Optimizer):
             if "step" in state:
                 # torch may cast or move "step"; keep it an exact int64 CPU counter.
                 state["step"] = torch.as_tensor(state["step"]).detach().to("cpu", torch.int64).reshape(())
+        if self._store is not None:
+            self._load_buffers_into_files(saved_buffers)
+
+    def _check_saved_buffers(self, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(saved_ids) != len(params):
+            raise ValueError(
+                f"The state dict holds {len(saved_ids)} parameters, this optimizer {len(params)}; it was saved for"
+                " another model."
+            )
+        by_id = dict(zip(saved_ids, params))
+        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for index, st in state_dict["state"].items():
+            p = by_id[index]
+            buffers = {k: v for k, v in st.items() if k in _BUFFER_KEYS}
+            for key, value in buffers.items():
+                if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"The saved {key!r} of parameter {index} has shape {got}, the parameter {tuple(p.shape)}; the"
+                        " state dict was saved for another model or partitioning."
+                    )
+            out[p] = buffers
+        return out
+
+    def _load_buffers_into_files(self, saved: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        assert self._store is not None
+        # Fresh files for the loaded stream ids: the old files belonged to the replaced state.
+        self._store.release_all()
+        groups = {p: g for g in self.param_groups for p in g["params"]}
+        self.init_states([(p, groups[p]) for p, buffers in saved.items() if buffers])
+        for p, buffers in saved.items():
+            for key, value in buffers.items():
+                if key in self.state[p]:
+                    self.state[p][key].view(-1).copy_(value.reshape(-1))
+
+
+def _close_storage(store: MmapStateStore, streamers: dict[Any, StateStreamer]) -> None:
+    for streamer in streamers.values():
+        streamer.close()
+    streamers.clear()
+    store.close()
 
 
 class Adam(AdamW):

@@ -1,0 +1,351 @@
+"""Optimizer states in memory-mapped files, and the update that streams them through in chunks.
+
+With ``state_storage="mmap"`` the moments (and the Kahan buffer) of each parameter tensor live in one file under the
+user's state directory, mapped into the process with ``torch.from_file``. The device holds only the parameter and its
+gradient; each step streams the states through two chunk-sized staging slots: while the update kernel works on one
+chunk, a reader thread copies the next chunk out of the mapping (the disk read) and a writer thread copies the
+previous result back (the disk write goes through the page cache). On CUDA the slots are pinned and the
+host-to-device and device-to-host copies run on their own stream. The kernel gets each chunk's index in the whole
+tensor, so the random bits, and therefore the results, are those of the in-memory optimizer, bit for bit.
+
+Files are created at full size with ``posix_fallocate`` after checking the free space, so a full disk is an error at
+allocation rather than a crash at a later write; before every step each file's size and identity are checked, so a
+truncated or replaced file is an error rather than a ``SIGBUS`` or silently wrong moments.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Elements per streamed chunk: 4 Mi elements = 8 MiB per bf16 buffer, large enough that each disk request and
+# host-device copy is efficient, small enough that two slots of three buffers stay under 50 MiB.
+DEFAULT_STATE_CHUNK = 1 << 22
+# Files are named after the rank (or the process) and the tensor's stream id; one directory per optimizer.
+_DIR_PREFIX = "pure_bf16_states-"
+# Free space kept beyond the files themselves, for the filesystem's own metadata.
+_SPACE_MARGIN = 64 * 1024**2
+
+
+class StateStorageError(OSError):
+    """An optimizer state file or its directory is unusable (missing, read-only, full, truncated or replaced)."""
+
+
+def check_state_dir(state_dir: str | os.PathLike, *, who: str) -> Path:
+    """Check that ``state_dir`` exists, is a directory and accepts new files; return it as an absolute path.
+
+    Args:
+        state_dir: the directory the caller wants its state files in.
+        who: the call quoted in error messages, e.g. ``"AdamW(state_storage='mmap', state_dir=...)"``.
+
+    Raises:
+        StateStorageError: saying what is wrong and what to do.
+    """
+    path = Path(state_dir).expanduser().absolute()
+    if not path.exists():
+        raise StateStorageError(
+            errno.ENOENT,
+            f"`{who}`: the state directory '{path}' does not exist. Create it (on a local NVMe disk) or pass another.",
+        )
+    if not path.is_dir():
+        raise StateStorageError(errno.ENOTDIR, f"`{who}`: '{path}' is not a directory.")
+    try:
+        # A real probe: permission bits do not show a read-only mount, and root passes every permission check.
+        with tempfile.TemporaryFile(dir=path, prefix=".pure_bf16_probe-"):
+            pass
+    except OSError as err:
+        raise StateStorageError(
+            err.errno or errno.EACCES,
+            f"`{who}`: cannot create files in the state directory '{path}' ({err.strerror or err}). Pass a"
+            " writable directory.",
+        ) from err
+    return path
+
+
+def filesystem_type(path: str | os.PathLike) -> str | None:
+    """The type of the filesystem holding ``path`` (``"ext4"``, ``"tmpfs"``...) from ``/proc/self/mounts``, if known."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[:3] for line in f]
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, kind = "", None
+    for _, mount_point, fs_type in mounts:
+        mount_point = mount_point.replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, kind = mount_point, fs_type
+    return kind
+
+
+@dataclass
+class _StateFile:
+    path: Path
+    nbytes: int
+    inode: int
+    buffers: list[torch.Tensor]  # flat views of the mapping, one per state buffer
+
+
+class MmapStateStore:
+    """The state files of one optimizer: one file per parameter tensor, in a directory of its own.
+
+    Args:
+        state_dir: an existing, writable directory (checked by :func:`check_state_dir`).
+        who: the call quoted in error messages.
+    """
+
+    def __init__(self, state_dir: str | os.PathLike, *, who: str) -> None:
+        self.root = Path(state_dir)
+        self.who = who
+        self.label = f"{socket.gethostname()}-pid{os.getpid()}"
+        self.directory: Path | None = None
+        self.files: dict[int, _StateFile] = {}
+
+    def allocate(self, requests: Sequence[tuple[int, int, int, torch.dtype]]) -> dict[int, list[torch.Tensor]]:
+        """Create and map the files of several tensors at once, all or none.
+
+        Args:
+            requests: ``(stream id, elements, number of buffers, dtype)`` per tensor.
+
+        Returns:
+            Per stream id, the flat zero-filled buffers (CPU tensors backed by the file).
+
+        Raises:
+            StateStorageError: when the disk has too little free space (checked for all files before any is created)
+                or a file cannot be created; files created by this call are removed again.
+        """
+        needed = sum(numel * count * dtype.itemsize for _, numel, count, dtype in requests)
+        if not requests:
+            return {}
+        free = shutil.disk_usage(self.root).free
+        if needed + _SPACE_MARGIN > free:
+            raise StateStorageError(
+                errno.ENOSPC,
+                f"`{self.who}`: the optimizer states need {_gib(needed)} in '{self.root}', which has {_gib(free)}"
+                f" free. Free space (leftover '{_DIR_PREFIX}*' directories of crashed runs can be deleted) or pass"
+                " another `state_dir`.",
+            )
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{self.label}-", dir=self.root))
+        created: list[int] = []
+        try:
+            for stream, numel, count, dtype in requests:
+                self.files[stream] = self._create(stream, numel, count, dtype)
+                created.append(stream)
+        except BaseException:
+            for stream in created:
+                self._remove(self.files.pop(stream))
+            raise
+        return {stream: self.files[stream].buffers for stream in created}
+
+    def _create(self, stream: int, numel: int, count: int, dtype: torch.dtype) -> _StateFile:
+        assert self.directory is not None
+        path = self.directory / f"t{stream:05d}.bin"
+        nbytes = numel * count * dtype.itemsize
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as err:
+            raise StateStorageError(
+                err.errno, f"`{self.who}`: cannot create the state file '{path}': {err.strerror}."
+            ) from err
+        try:
+            if nbytes:
+                # Reserve every block now: writes through the mapping can then never run out of space.
+                os.posix_fallocate(fd, 0, nbytes)
+            inode = os.fstat(fd).st_ino
+        except OSError as err:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            reason = "the disk is full" if err.errno == errno.ENOSPC else err.strerror
+            raise StateStorageError(
+                err.errno,
+                f"`{self.who}`: cannot reserve {_gib(nbytes)} for the state file '{path}': {reason}. Free space or"
+                " pass another `state_dir`.",
+            ) from err
+        os.close(fd)
+        flat = (
+            torch.from_file(os.fspath(path), shared=True, size=numel * count, dtype=dtype)
+            if nbytes
+            else torch.zeros(0, dtype=dtype)
+        )
+        return _StateFile(path, nbytes, inode, [flat[i * numel : (i + 1) * numel] for i in range(count)])
+
+    def verify(self, stream: int) -> None:
+        """Check that the file of ``stream`` still has its size and identity (one ``stat``).
+
+        Raises:
+            StateStorageError: when it was removed, truncated, grown or replaced since it was created.
+        """
+        f = self.files[stream]
+        try:
+            st = os.stat(f.path)
+        except FileNotFoundError as err:
+            raise StateStorageError(
+                errno.ENOENT,
+                f"The optimizer state file '{f.path}' was removed while training; its moments cannot be trusted."
+                " Keep other programs out of the state directory and resume from the last checkpoint.",
+            ) from err
+        if st.st_size != f.nbytes or st.st_ino != f.inode:
+            what = "replaced" if st.st_ino != f.inode else f"resized to {st.st_size} bytes (expected {f.nbytes})"
+            raise StateStorageError(
+                errno.EIO,
+                f"The optimizer state file '{f.path}' was {what} while training; its moments cannot be trusted."
+                " Keep other programs out of the state directory and resume from the last checkpoint.",
+            )
+
+    def release_all(self) -> None:
+        """Remove every file but keep the directory (the states are about to be replaced)."""
+        for f in self.files.values():
+            self._remove(f)
+        self.files.clear()
+
+    def nbytes(self) -> int:
+        """Bytes of all state files."""
+        return sum(f.nbytes for f in self.files.values())
+
+    def close(self) -> None:
+        """Remove every file and the directory (idempotent). Mappings still referenced stay valid until released."""
+        self.release_all()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    @staticmethod
+    def _remove(f: _StateFile) -> None:
+        f.path.unlink(missing_ok=True)
+        f.buffers = []
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 1024**3:.2f} GiB"
+
+
+# ------------------------------------------------------------------------------------------------ streamed update
+UpdateFn = Callable[..., None]
+
+
+class StateStreamer:
+    """Two staging slots and the reader/writer threads that stream state chunks between the files and the device.
+
+    Args:
+        device: where the parameters and the update kernel are.
+        dtype: the state dtype.
+        buffers: state buffers per tensor (2, or 3 with Kahan).
+        chunk: elements per chunk.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, buffers: int, chunk: int) -> None:
+        self.device = device
+        self.chunk = chunk
+        cuda = device.type == "cuda"
+        # Pinned host slots: host-device copies run asynchronously, at full bus speed.
+        self.host = [
+            [torch.empty(chunk, dtype=dtype, pin_memory=cuda) for _ in range(buffers)] for _ in range(2)
+        ]
+        self.dev = (
+            [[torch.empty(chunk, dtype=dtype, device=device) for _ in range(buffers)] for _ in range(2)]
+            if cuda
+            else self.host
+        )
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_read")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_write")
+
+    def close(self) -> None:
+        self.reader.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
+
+    def update(
+        self,
+        update: UpdateFn,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        forward: Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]],
+    ) -> None:
+        """Run ``update`` over ``param`` chunk by chunk with the matching chunks of the file-backed ``states``.
+
+        Args:
+            update: called as ``update(param_chunk, grad_chunk, *forward(state_chunks), index_offset=start)``.
+            param: the flat parameter (contiguous, on ``device``).
+            grad: the flat gradient, same length.
+            states: flat file-backed CPU buffers, same length.
+            forward: maps the device-side state chunks to the kernel's state arguments (inserts ``None`` for an
+                absent Kahan buffer).
+        """
+        n = param.numel()
+        starts = list(range(0, n, self.chunk))
+        if not starts:
+            return
+
+        def span(i: int) -> tuple[int, int]:
+            return starts[i], min(starts[i] + self.chunk, n)
+
+        def load(i: int, slot: int) -> None:
+            s, e = span(i)
+            for buf, src in zip(self.host[slot], states):
+                buf[: e - s].copy_(src[s:e])  # reads the file (page faults) outside the GIL
+
+        def store(i: int, slot: int, done: torch.cuda.Event | None) -> None:
+            if done is not None:
+                done.synchronize()
+            s, e = span(i)
+            for dst, buf in zip(states, self.host[slot]):
+                dst[s:e].copy_(buf[: e - s])
+
+        reads: dict[int, Future] = {0: self.reader.submit(load, 0, 0)}
+        writes: dict[int, Future] = {}
+        compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
+        try:
+            for i in range(len(starts)):
+                slot = i % 2
+                reads.pop(i).result()
+                if i + 1 < len(starts):
+                    # The next chunk goes into the other slot once that slot's previous result is written back.
+                    if i - 1 in writes:
+                        writes.pop(i - 1).result()
+                    reads[i + 1] = self.reader.submit(load, i + 1, 1 - slot)
+                s, e = span(i)
+                dev = [b[: e - s] for b in self.dev[slot]]
+                done = None
+                if self.copy_stream is not None:
+                    assert compute is not None
+                    with torch.cuda.stream(self.copy_stream):
+                        for d, h in zip(dev, self.host[slot]):
+                            d.copy_(h[: e - s], non_blocking=True)
+                    compute.wait_stream(self.copy_stream)
+                update(param[s:e], grad[s:e], *forward(dev), index_offset=s)
+                if self.copy_stream is not None:
+                    self.copy_stream.wait_stream(compute)
+                    with torch.cuda.stream(self.copy_stream):
+                        for h, d in zip(self.host[slot], dev):
+                            h[: e - s].copy_(d, non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(self.copy_stream)
+                writes[i] = self.writer.submit(store, i, slot, done)
+            for i in sorted(writes):
+                writes.pop(i).result()
+        finally:
+            # On an error, let the threads finish what they started before the slots are reused or freed.
+            for f in [*reads.values(), *writes.values()]:
+                f.cancel() or f.exception()
+
+
+__all__ = [
+    "DEFAULT_STATE_CHUNK",
+    "MmapStateStore",
+    "StateStorageError",
+    "StateStreamer",
+    "check_state_dir",
+    "filesystem_type",
+]
