@@ -1,11 +1,13 @@
-"""Model-state memory per parameter, measured: pure bf16 (SR, Kahan) vs DeepSpeed's bf16-master flags and bf16-mixed.
+"""Model-state memory per parameter, measured: pure bf16 (SR, Kahan, states in memory-mapped files) vs DeepSpeed's
+bf16-master flags and bf16-mixed.
 
 Every configuration runs the same model, world size and ZeRO-3 settings through ``deepspeed.initialize`` and two
 training steps, then reads bytes per parameter by category from the live buffers
 (``lightning_pure_bf16.memory.zero3_model_state_report``). The pure-bf16 rows use exactly what
 ``DeepSpeedPureBF16Strategy`` uses (its config builder, master aliasing and state allocation). Peak memory is
 ``torch.cuda.max_memory_allocated`` on CUDA; on the CPU it is the sum of every tensor reachable from the engine
-(parameters, optimizer, buckets), a tracked-buffer count.
+(parameters, optimizer, buckets), a tracked-buffer count. State in memory-mapped files (``state_storage="mmap"``)
+is reported in its own column and is in neither the total nor the peak.
 
     python benchmarks/memory.py            # 2 ranks on the CPU (gloo), ~4.2M-parameter MLP
     python benchmarks/memory.py --quick    # ~0.3M parameters
@@ -26,10 +28,19 @@ from _results import write_results
 from torch import nn
 
 RESULTS = Path(__file__).parent / "results"
-CONFIGS = ("pure_bf16_stochastic", "pure_bf16_kahan", "deepspeed_bf16_master", "deepspeed_bf16_mixed")
+CONFIGS = (
+    "pure_bf16_stochastic",
+    "pure_bf16_kahan",
+    "pure_bf16_mmap",
+    "pure_bf16_kahan_mmap",
+    "deepspeed_bf16_master",
+    "deepspeed_bf16_mixed",
+)
 LABELS = {
     "pure_bf16_stochastic": "this strategy, stochastic rounding",
     "pure_bf16_kahan": "this strategy, Kahan",
+    "pure_bf16_mmap": "this strategy, stochastic rounding, states in mmap files",
+    "pure_bf16_kahan_mmap": "this strategy, Kahan, states in mmap files",
     "deepspeed_bf16_master": "DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 (fp32 masters and moments)",
 }
@@ -62,7 +73,7 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     from lightning_pure_bf16 import AdamW
     from lightning_pure_bf16._deepspeed_fixes import alias_bf16_master_partitions
     from lightning_pure_bf16.config import pure_bf16_deepspeed_config
-    from lightning_pure_bf16.memory import reachable_tensors, zero3_model_state_report
+    from lightning_pure_bf16.memory import is_file_backed, reachable_tensors, zero3_model_state_report
     from lightning_pure_bf16.strategy import init_zero3_optimizer_state
 
     if device == "cuda":
@@ -74,7 +85,9 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     base = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": dict(ZERO), "zero_allow_untested_optimizer": True}
     if name.startswith("pure_bf16"):
         config = pure_bf16_deepspeed_config(base)
-        optimizer: torch.optim.Optimizer = AdamW(model.parameters(), lr=1e-3, rounding=name.rsplit("_", 1)[1])
+        rounding = "kahan" if "kahan" in name else "stochastic"
+        storage = {"state_storage": "mmap", "state_dir": os.path.dirname(out)} if name.endswith("mmap") else {}
+        optimizer: torch.optim.Optimizer = AdamW(model.parameters(), lr=1e-3, rounding=rounding, **storage)
         optimizer.check_nonfinite = False
         context = alias_bf16_master_partitions()
     else:
@@ -103,7 +116,7 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
         engine.backward(loss)
         engine.step()
     report = zero3_model_state_report(engine.optimizer)
-    tracked = sum(t.untyped_storage().nbytes() for _, t in reachable_tensors(engine.optimizer))
+    tracked = sum(t.untyped_storage().nbytes() for _, t in reachable_tensors(engine.optimizer) if not is_file_backed(t))
     tracked += sum(p.untyped_storage().nbytes() for p in engine.module.parameters() if p.untyped_storage().nbytes())
     report["peak_per_param"] = (torch.cuda.max_memory_allocated() if device == "cuda" else tracked) / report[
         "params_on_rank"
@@ -166,14 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         f" steps. Peak: {peak_label}, per parameter of the partition.",
         "",
         "| configuration | param | grad | master | exp_avg | exp_avg_sq | kahan | total B/param | vs this strategy"
-        " | peak B/param |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " | peak B/param | in state files B/param |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {LABELS[r['config']]} | {r['param']:.2f} | {r['grad']:.2f} | {r['master']:.2f} | {r['exp_avg']:.2f} |"
             f" {r['exp_avg_sq']:.2f} | {r['kahan_comp']:.2f} | **{r['total']:.2f}** | {r['total'] / reference:.2f}x |"
-            f" {r['peak_per_param']:.2f} |"
+            f" {r['peak_per_param']:.2f} | {r['state_files']:.2f} |"
         )
     write_results(out_dir, stem, rows, lines, command)
     return 0

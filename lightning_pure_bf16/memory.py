@@ -17,13 +17,20 @@ MODEL_STATE_BYTES: dict[str, dict[str, int]] = {
     "deepspeed_bf16_master": {"param": 2, "grad": 2, "master": 2, "exp_avg": 2, "exp_avg_sq": 2},
     # DeepSpeed's bf16 default: fp32 master weights and fp32 moments.
     "deepspeed_bf16_mixed": {"param": 2, "grad": 2, "master": 4, "exp_avg": 4, "exp_avg_sq": 4},
+    # state_storage="mmap": the moments (and the Kahan buffer) are in files, see STATE_FILE_BYTES.
+    "pure_bf16_mmap": {"param": 2, "grad": 2},
+    "pure_bf16_kahan_mmap": {"param": 2, "grad": 2},
 }
+# Bytes per trainable parameter in the memory-mapped state files (on disk, streamed through every step: read once,
+# written once).
+STATE_FILE_BYTES: dict[str, int] = {"pure_bf16_mmap": 4, "pure_bf16_kahan_mmap": 6}
 # A frozen parameter has no gradient, master or moments: only its bf16 partition.
 FROZEN_BYTES = 2
 
 
 def bytes_per_param(config: str) -> int:
-    """Total model-state bytes per trainable parameter of one of :data:`MODEL_STATE_BYTES`' configurations."""
+    """Model-state bytes per trainable parameter held in memory by one of :data:`MODEL_STATE_BYTES`' configurations
+    (state files excluded)."""
     return sum(MODEL_STATE_BYTES[config].values())
 
 
@@ -31,17 +38,25 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def is_file_backed(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in a memory-mapped file (``state_storage="mmap"``) rather than in device or host memory."""
+    return t.untyped_storage().filename is not None
+
+
 def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
     """Bytes per parameter of this rank's partition, by category, read from a ZeRO-3 optimizer's buffers.
 
     ``param`` is the bf16 parameter partition, ``grad`` ZeRO-3's persistent gradient partition buffer, ``master``
     the master partition when it is a separate copy (0 when it is the parameter partition itself), then every tensor
-    of the inner optimizer's state that has one element per parameter. Parameters ZeRO-3 keeps gathered on every rank
+    of the inner optimizer's state that has one element per parameter and is held in memory; state in memory-mapped
+    files (``state_storage="mmap"``) is reported as ``state_files``, outside ``total``. Parameters ZeRO-3 keeps gathered
+    on every rank
     (below ``stage3_param_persistence_threshold``) and fixed-size communication buckets are not model state and are
     not counted here; :func:`reachable_tensors` finds them.
 
     Returns:
-        One entry per name in :data:`CATEGORIES` plus ``"total"`` (bytes/param) and ``"params_on_rank"`` (elements).
+        One entry per name in :data:`CATEGORIES` plus ``"total"`` (bytes/param in memory), ``"state_files"``
+        (bytes/param in files) and ``"params_on_rank"`` (elements).
     """
     params = [t for t in zero_optimizer.fp16_partitioned_groups_flat if t is not None]
     n = sum(t.numel() for t in params)
@@ -53,12 +68,17 @@ def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
     nbytes["master"] = sum(
         _nbytes(t) for t in zero_optimizer.fp32_partitioned_groups_flat if t.data_ptr() not in param_ptrs
     )
+    in_files = 0
     for state in zero_optimizer.optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.ndim > 0:
-                nbytes[key if key in nbytes else "other_state"] += _nbytes(value)
+                if is_file_backed(value):
+                    in_files += _nbytes(value)
+                else:
+                    nbytes[key if key in nbytes else "other_state"] += _nbytes(value)
     report = {k: v / max(n, 1) for k, v in nbytes.items()}
     report["total"] = sum(report.values())
+    report["state_files"] = in_files / max(n, 1)
     report["params_on_rank"] = float(n)
     return report
 
@@ -66,7 +86,10 @@ def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
 def format_report(report: dict[str, float]) -> str:
     """One line: ``8.00 B/param (param 2.00, grad 2.00, ...) over N elements``."""
     parts = [f"{k} {report[k]:.2f}" for k in CATEGORIES if report.get(k)]
-    return f"{report['total']:.2f} B/param ({', '.join(parts)}) over {int(report['params_on_rank'])} elements"
+    line = f"{report['total']:.2f} B/param ({', '.join(parts)}) over {int(report['params_on_rank'])} elements"
+    if report.get("state_files"):
+        line += f", plus {report['state_files']:.2f} B/param of optimizer state in memory-mapped files"
+    return line
 
 
 def reachable_tensors(obj: Any, prefix: str = "", *, max_depth: int = 6) -> list[tuple[str, torch.Tensor]]:
@@ -108,7 +131,9 @@ __all__ = [
     "CATEGORIES",
     "FROZEN_BYTES",
     "MODEL_STATE_BYTES",
+    "STATE_FILE_BYTES",
     "bytes_per_param",
+    "is_file_backed",
     "format_report",
     "reachable_tensors",
     "zero3_model_state_report",

@@ -1,10 +1,14 @@
 """``python -m lightning_pure_bf16.plan --params 70e9 --gpus 8 --gpu-memory-gib 80``: will the model fit?
 
-Per-GPU memory for ZeRO-3 training under four configurations: this strategy with stochastic rounding and with Kahan
-compensation, DeepSpeed's bf16-master flags, and DeepSpeed's bf16 mixed precision. Model state is the measured bytes
-per parameter (``lightning_pure_bf16.memory.MODEL_STATE_BYTES``), sharded over the GPUs; on top come ZeRO-3's
+Per-GPU memory for ZeRO-3 training under six configurations: this strategy with stochastic rounding and with Kahan
+compensation, each with optimizer states in device memory or in memory-mapped files (``state_storage="mmap"``),
+DeepSpeed's bf16-master flags, and DeepSpeed's bf16 mixed precision. Model state is the measured bytes per parameter
+(``lightning_pure_bf16.memory.MODEL_STATE_BYTES``; ``STATE_FILE_BYTES`` for the files), sharded over the GPUs; on
+top come ZeRO-3's
 gathered-parameter working set and communication buckets (DeepSpeed's defaults), and a stated margin for
-activations, the CUDA context and allocator fragmentation, which this planner does not estimate.
+activations, the CUDA context and allocator fragmentation, which this planner does not estimate. For the "mmap"
+configurations it also gives the disk space per node and, with ``--disk-gbps``, the time each optimizer step spends
+streaming the states (read once, written once), a lower bound that the disk sets.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-from lightning_pure_bf16.memory import FROZEN_BYTES, MODEL_STATE_BYTES, bytes_per_param
+from lightning_pure_bf16.memory import FROZEN_BYTES, MODEL_STATE_BYTES, STATE_FILE_BYTES, bytes_per_param
 
 GIB = 1024**3
 # DeepSpeed ZeRO-3 defaults (elements): parameters gathered at once, prefetch bucket, gradient reduce bucket.
@@ -23,9 +27,13 @@ MAX_LIVE_PARAMETERS = 1_000_000_000
 PREFETCH_BUCKET = 50_000_000
 REDUCE_BUCKET = 200_000_000
 DEFAULT_MARGIN_FRACTION = 0.15
+# The streaming slots of state_storage="mmap" on the device: 2 slots x 3 buffers x 2**22 bf16 elements.
+MMAP_STAGING_BYTES = 2 * 3 * (1 << 22) * 2
 LABELS = {
     "pure_bf16_stochastic": "this strategy (stochastic rounding)",
     "pure_bf16_kahan": "this strategy (Kahan)",
+    "pure_bf16_mmap": "this strategy (stochastic), states in mmap files",
+    "pure_bf16_kahan_mmap": "this strategy (Kahan), states in mmap files",
     "deepspeed_bf16_master": "DeepSpeed bf16 masters (bf16_master_weights_and_grads)",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 mixed (fp32 masters and moments)",
 }
@@ -43,6 +51,10 @@ class Plan:
     per_gpu_model_state_gib: dict[str, float]
     per_gpu_total_gib: dict[str, float]
     fits: dict[str, bool]
+    gpus_per_node: int
+    state_files_per_node_gib: dict[str, float]
+    disk_gbps: float | None
+    disk_seconds_per_step: dict[str, float | None]
 
 
 def plan(
@@ -52,6 +64,8 @@ def plan(
     *,
     frozen_fraction: float = 0.0,
     activation_margin_gib: float | None = None,
+    gpus_per_node: int | None = None,
+    disk_gbps: float | None = None,
 ) -> Plan:
     """Per-GPU memory of each configuration and whether it fits.
 
@@ -62,6 +76,10 @@ def plan(
         frozen_fraction: fraction of parameters that are not trained (no gradient or optimizer state).
         activation_margin_gib: memory kept for activations, CUDA context and fragmentation (default: ``None``, 15% of
             ``gpu_memory_gib``).
+        gpus_per_node: GPUs per node, whose ranks share one disk for their state files (default: ``None``,
+            ``min(gpus, 8)``).
+        disk_gbps: read and write bandwidth, in GB/s, of the disk holding one node's state files; gives the time
+            each step streams the states (default: ``None``, not estimated).
 
     Raises:
         ValueError: for non-positive sizes or a fraction outside [0, 1).
@@ -77,17 +95,42 @@ def plan(
     margin = DEFAULT_MARGIN_FRACTION * gpu_memory_gib if activation_margin_gib is None else activation_margin_gib
     if margin < 0:
         raise ValueError(f"--activation-margin-gib must be >= 0, got {margin!r}.")
+    per_node = min(gpus, 8) if gpus_per_node is None else gpus_per_node
+    if not 1 <= per_node <= gpus:
+        raise ValueError(f"--gpus-per-node must be between 1 and --gpus ({gpus}), got {per_node}.")
+    if disk_gbps is not None and not (disk_gbps > 0 and math.isfinite(disk_gbps)):
+        raise ValueError(f"--disk-gbps must be a positive number of GB/s, got {disk_gbps!r}.")
     trainable, frozen = params * (1 - frozen_fraction), params * frozen_fraction
     # Gathered bf16 parameters (at most DeepSpeed's live-parameter limit) plus the prefetch and reduce buckets.
     buffers = 2 * (min(params, MAX_LIVE_PARAMETERS) + PREFETCH_BUCKET + REDUCE_BUCKET) / GIB
-    bpp, state, total, fits = {}, {}, {}, {}
+    bpp, state, total, fits, files, seconds = {}, {}, {}, {}, {}, {}
     for config in MODEL_STATE_BYTES:
         state_bytes = (trainable * bytes_per_param(config) + frozen * FROZEN_BYTES) / gpus
         bpp[config] = float(bytes_per_param(config))
         state[config] = state_bytes / GIB
-        total[config] = state[config] + buffers + margin
+        staging = MMAP_STAGING_BYTES / GIB if config in STATE_FILE_BYTES else 0.0
+        total[config] = state[config] + buffers + staging + margin
         fits[config] = total[config] <= gpu_memory_gib
-    return Plan(params, gpus, gpu_memory_gib, frozen_fraction, buffers, margin, bpp, state, total, fits)
+        file_bytes = trainable * STATE_FILE_BYTES.get(config, 0) / gpus * per_node
+        files[config] = file_bytes / GIB
+        # Every step reads each state file once and writes it once.
+        seconds[config] = 2 * file_bytes / (disk_gbps * 1e9) if disk_gbps and file_bytes else None
+    return Plan(
+        params,
+        gpus,
+        gpu_memory_gib,
+        frozen_fraction,
+        buffers,
+        margin,
+        bpp,
+        state,
+        total,
+        fits,
+        per_node,
+        files,
+        disk_gbps,
+        seconds,
+    )
 
 
 def _format(p: Plan) -> str:
@@ -106,8 +149,19 @@ def _format(p: Plan) -> str:
         "",
         f"total = model state + {p.working_buffers_gib:.1f} GiB ZeRO-3 gathered parameters and buckets (DeepSpeed"
         f" defaults) + {p.activation_margin_gib:.1f} GiB margin for activations, CUDA context and fragmentation"
-        " (not estimated; set --activation-margin-gib).",
+        " (not estimated; set --activation-margin-gib); mmap rows add"
+        f" {MMAP_STAGING_BYTES / 1024**2:.0f} MiB of streaming slots.",
+        "",
+        f"State files (mmap rows), on the disk of each node of {p.gpus_per_node} GPU(s):",
     ]
+    for config in STATE_FILE_BYTES:
+        seconds = p.disk_seconds_per_step[config]
+        stream = (
+            f"{seconds:.1f} s/step streaming them at {p.disk_gbps:g} GB/s (read + write, a lower bound)"
+            if seconds is not None
+            else "each step reads and writes them once (set --disk-gbps for the time)"
+        )
+        lines.append(f"  {LABELS[config]}: {p.state_files_per_node_gib[config]:.1f} GiB per node; {stream}")
     return "\n".join(lines)
 
 
@@ -118,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, e.g. 80")
     parser.add_argument("--frozen-fraction", type=float, default=0.0, help="fraction of parameters not trained")
     parser.add_argument("--activation-margin-gib", type=float, default=None, help="default: 15%% of GPU memory")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs sharing one disk (default: up to 8)")
+    parser.add_argument("--disk-gbps", type=float, default=None, help="disk bandwidth per node for the mmap rows")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
@@ -127,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             args.gpu_memory_gib,
             frozen_fraction=args.frozen_fraction,
             activation_margin_gib=args.activation_margin_gib,
+            gpus_per_node=args.gpus_per_node,
+            disk_gbps=args.disk_gbps,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

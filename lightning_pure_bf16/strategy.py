@@ -44,7 +44,8 @@ from lightning_pure_bf16.config import pure_bf16_deepspeed_config
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
 from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
 from lightning_pure_bf16.ops.rng import mix32
-from lightning_pure_bf16.optim.adamw import _BACKENDS, Adam, AdamW
+from lightning_pure_bf16.optim.adamw import _BACKENDS, _STATE_STORAGES, Adam, AdamW
+from lightning_pure_bf16.optim.mmap_states import check_state_dir, filesystem_type
 from lightning_pure_bf16.precision import PureBF16Precision
 
 _DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.1")
@@ -55,6 +56,13 @@ _UNSUPPORTED_TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable":
 # DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
 _GPU_BUCKET = 200_000_000
 _CPU_BUCKET = 5_000_000
+# The environment variable naming the state directory, for `Trainer(strategy="deepspeed_pure_bf16_mmap")`.
+STATE_DIR_ENV = "PURE_BF16_STATE_DIR"
+# The section of a user's DeepSpeed config read by this strategy (and removed before DeepSpeed sees the config).
+_CONFIG_SECTION = "pure_bf16"
+_CONFIG_SECTION_KEYS = ("state_storage", "state_dir")
+# Filesystems held in memory: "mmap" states there save device memory but not host memory.
+_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 # Group keys that belong to torch's implementation choice, not to the optimization problem.
 _TORCH_ONLY_GROUP_KEYS = ("foreach", "fused", "decoupled_weight_decay", *_UNSUPPORTED_TORCH_OPTIONS)
 
@@ -91,6 +99,13 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         cpu_checkpointing: DeepSpeed activation checkpointing option (default: ``False``).
         contiguous_memory_optimization: DeepSpeed activation checkpointing option (default: ``False``).
         synchronize_checkpoint_boundary: DeepSpeed activation checkpointing option (default: ``False``).
+        state_storage: where the optimizer's moments live: ``"memory"`` (on the device) or ``"mmap"`` (one
+            memory-mapped file per rank and flat partition under ``state_dir``, streamed through each step: the
+            device keeps 4 bytes/param of model state, the files hold 4, 6 with Kahan). Also settable in the
+            DeepSpeed config as ``{"pure_bf16": {"state_storage": "mmap"}}`` (default: ``"memory"``).
+        state_dir: an existing, writable directory for the state files, ideally a local NVMe disk; with
+            ``state_storage="mmap"`` taken from this argument, else the ``PURE_BF16_STATE_DIR`` environment variable,
+            else the config's ``{"pure_bf16": {"state_dir": ...}}`` (default: ``None``).
         **kwargs: passed to Lightning's ``DeepSpeedStrategy`` (``parallel_devices``, ``cluster_environment``,
             ``process_group_backend``, ``timeout``, ``logging_level``, ``load_full_weights``...).
     """
@@ -113,6 +128,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         cpu_checkpointing: bool = False,
         contiguous_memory_optimization: bool = False,
         synchronize_checkpoint_boundary: bool = False,
+        state_storage: str = "memory",
+        state_dir: str | os.PathLike | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision_plugin: Precision | None = None,
@@ -168,6 +185,23 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             **kwargs,
         )
         user_config = self._load_config(config)
+        section = dict((user_config or {}).get(_CONFIG_SECTION) or {})
+        unknown = sorted(set(section) - set(_CONFIG_SECTION_KEYS))
+        if unknown:
+            raise ValueError(
+                f"`Trainer(strategy='{name}')`: the DeepSpeed config's {_CONFIG_SECTION!r} section has unknown keys"
+                f" {unknown}; it accepts {list(_CONFIG_SECTION_KEYS)}."
+            )
+        if user_config is not None:
+            user_config = {k: v for k, v in user_config.items() if k != _CONFIG_SECTION}
+        if state_storage == "memory" and "state_storage" in section:
+            state_storage = section["state_storage"]
+        if state_storage not in _STATE_STORAGES:
+            raise ValueError(
+                f"`DeepSpeedPureBF16Strategy(state_storage={state_storage!r})` is not one of {_STATE_STORAGES}."
+            )
+        self.state_storage = state_storage
+        self.state_dir = self._resolve_state_dir(state_storage, state_dir, section)
         self.config = pure_bf16_deepspeed_config(self.config, user_config, strategy_name=name)
         user_zero = (user_config or {}).get("zero_optimization", {})
         self._default_buckets = [
@@ -183,6 +217,34 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         self.backend = backend
         self._skipped_seen = 0
 
+    def _resolve_state_dir(
+        self, state_storage: str, state_dir: str | os.PathLike | None, section: dict[str, Any]
+    ) -> str | None:
+        if state_storage == "memory":
+            if state_dir is not None:
+                raise ValueError(
+                    "`DeepSpeedPureBF16Strategy(state_dir=...)` is only used with `state_storage='mmap'` (or"
+                    " `strategy='deepspeed_pure_bf16_mmap'`); pass both or neither."
+                )
+            return None
+        chosen = state_dir if state_dir is not None else os.environ.get(STATE_DIR_ENV) or section.get("state_dir")
+        if not chosen:
+            raise ValueError(
+                f"`Trainer(strategy='{self.strategy_name}')` with optimizer states in memory-mapped files needs a state"
+                f" directory: pass `DeepSpeedPureBF16Strategy(state_storage='mmap', state_dir='/local/nvme/dir')`, set"
+                f" the environment variable {STATE_DIR_ENV}, or add"
+                f' `{{"{_CONFIG_SECTION}": {{"state_dir": ...}}}}` to the DeepSpeed config.'
+            )
+        who = f"DeepSpeedPureBF16Strategy(state_storage='mmap', state_dir={os.fspath(chosen)!r})"
+        path = check_state_dir(chosen, who=who)
+        fs_type = filesystem_type(path)
+        if fs_type in _MEMORY_FILESYSTEMS:
+            rank_zero_warn(
+                f"{self.strategy_name}: the state directory '{path}' is on {fs_type}, which is memory: the optimizer"
+                " states leave the GPU but still take host memory. Use a directory on a disk."
+            )
+        return os.fspath(path)
+
     # ----------------------------------------------------------------------------------------------- registration
     @classmethod
     @override
@@ -192,6 +254,11 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             "deepspeed_pure_bf16_kahan": (
                 "DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation",
                 {"rounding": "kahan"},
+            ),
+            "deepspeed_pure_bf16_mmap": (
+                "DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or"
+                f" ${STATE_DIR_ENV})",
+                {"state_storage": "mmap"},
             ),
         }
         for name, (description, init_params) in presets.items():
@@ -310,6 +377,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             _rebind_scheduler(scheduler_config.scheduler, converted)
         base_seed = self.seed if self.seed is not None else converted.seed
         converted.seed = _rank_seed(base_seed, self.global_rank)
+        if converted._store is not None:
+            converted._store.label = f"rank{self.global_rank}"
         # ZeRO-3 decides on non-finite gradients for all ranks at once (its all-reduced gradient norm) before any
         # partition is updated; the optimizer sees one sub-group at a time and must not decide on its own.
         converted.check_nonfinite = False
@@ -317,6 +386,13 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
 
     def _convert_optimizer(self, optimizer: Optimizer) -> AdamW:
         if isinstance(optimizer, AdamW):
+            if self.state_storage == "mmap" and optimizer.state_storage != "mmap":
+                raise ValueError(
+                    f"`Trainer(strategy='{self.strategy_name}')` keeps optimizer states in memory-mapped files, but"
+                    f" `configure_optimizers` returned `{type(optimizer).__name__}(state_storage="
+                    f"{optimizer.state_storage!r})`. Pass `state_storage='mmap', state_dir=...` to it, or return a"
+                    " `torch.optim.AdamW` and let the strategy convert it."
+                )
             rank_zero_info(f"{self.strategy_name}: using the given {type(optimizer).__name__} as is.")
             return optimizer
         kind = type(optimizer)
@@ -339,17 +415,19 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 " already holds state. Create it fresh in `configure_optimizers`."
             )
         groups = [{k: v for k, v in g.items() if k not in _TORCH_ONLY_GROUP_KEYS} for g in optimizer.param_groups]
+        options: dict[str, Any] = {"rounding": self.rounding, "seed": self.seed, "backend": self.backend}
+        if self.state_storage == "mmap":
+            options.update(state_storage="mmap", state_dir=self.state_dir)
         if kind is torch.optim.AdamW:
-            new: AdamW = AdamW(groups, rounding=self.rounding, seed=self.seed, backend=self.backend)
+            new: AdamW = AdamW(groups, **options)
         else:
             decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-            new = Adam(
-                groups, rounding=self.rounding, seed=self.seed, backend=self.backend, decoupled_weight_decay=decoupled
-            )
+            new = Adam(groups, decoupled_weight_decay=decoupled, **options)
         n_params = sum(len(g["params"]) for g in groups)
         rank_zero_info(
             f"{self.strategy_name}: replaced torch.optim.{kind.__name__} with lightning_pure_bf16.{type(new).__name__}"
-            f"(rounding={self.rounding!r}) on {len(groups)} param group(s), {n_params} tensors, same hyperparameters."
+            f"(rounding={self.rounding!r}, state_storage={self.state_storage!r}) on {len(groups)} param group(s),"
+            f" {n_params} tensors, same hyperparameters."
         )
         return new
 
@@ -359,6 +437,16 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         init_zero3_optimizer_state(self.deepspeed_engine.optimizer)
         report = self.memory_report()
         rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + format_report(report))
+
+    @override
+    def teardown(self) -> None:
+        # Remove the state files of "mmap" storage (the optimizer's finalizer would at exit; a notebook lives on).
+        engine = getattr(self, "deepspeed_engine", None) if self.model is not None else None
+        zero = getattr(engine, "optimizer", None)
+        inner = getattr(zero, "optimizer", None)
+        if isinstance(inner, AdamW) and inner.state_storage == "mmap":
+            inner.close()
+        super().teardown()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
@@ -455,8 +543,10 @@ def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
     is the steady state, and a shortage of memory shows at setup instead of at the first step.
     """
     optimizer = zero_optimizer.optimizer
-    for sub_group, flat in enumerate(zero_optimizer.fp32_partitioned_groups_flat):
-        optimizer.init_state(flat, optimizer.param_groups[zero_optimizer.sub_group_to_group_id[sub_group]])
+    optimizer.init_states(
+        (flat, optimizer.param_groups[zero_optimizer.sub_group_to_group_id[sub_group]])
+        for sub_group, flat in enumerate(zero_optimizer.fp32_partitioned_groups_flat)
+    )
 
 
 def _rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:

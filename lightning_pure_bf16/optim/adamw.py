@@ -169,9 +169,7 @@ class AdamW(Optimizer):
                 " on a local NVMe disk."
             )
         if state_storage == "memory" and state_dir is not None:
-            raise ValueError(
-                f"`{name}(state_dir=...)` is only used with `state_storage='mmap'`; pass both or neither."
-            )
+            raise ValueError(f"`{name}(state_dir=...)` is only used with `state_storage='mmap'`; pass both or neither.")
         if state_chunk_size < 1024 or state_chunk_size & (state_chunk_size - 1):
             raise ValueError(f"`state_chunk_size` must be a power of two >= 1024, got {state_chunk_size}.")
         self.state_storage = state_storage

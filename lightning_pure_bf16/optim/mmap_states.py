@@ -249,9 +249,7 @@ class StateStreamer:
         self.chunk = chunk
         cuda = device.type == "cuda"
         # Pinned host slots: host-device copies run asynchronously, at full bus speed.
-        self.host = [
-            [torch.empty(chunk, dtype=dtype, pin_memory=cuda) for _ in range(buffers)] for _ in range(2)
-        ]
+        self.host = [[torch.empty(chunk, dtype=dtype, pin_memory=cuda) for _ in range(buffers)] for _ in range(2)]
         self.dev = (
             [[torch.empty(chunk, dtype=dtype, device=device) for _ in range(buffers)] for _ in range(2)]
             if cuda

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -19,7 +19,32 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
-from lightning_pure_bf16.memory import reachable_tensors
+from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+
+
+class CaptureOptimizerState(Callback):
+    """What the optimizer holds at the end of training, before the strategy's teardown closes "mmap" state files."""
+
+    def __init__(self) -> None:
+        self.captured: dict = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strat = trainer.strategy
+        opt = strat.pure_bf16_optimizer
+        self.captured["state"] = {
+            k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}
+            for k, v in enumerate(opt.state.values())
+        }
+        self.captured["state_files"] = [
+            {kk: vv.untyped_storage().filename for kk, vv in v.items() if isinstance(vv, torch.Tensor) and vv.ndim}
+            for v in opt.state.values()
+        ]
+        self.captured["state_dir"] = opt.state_dir
+        self.captured["memory_report"] = strat.memory_report()
+        self.captured["zero_buffers"] = [
+            (name, t.dtype, t.untyped_storage().nbytes(), is_file_backed(t))
+            for name, t in reachable_tensors(strat.deepspeed_engine.optimizer, "zero")
+        ]
 
 
 class MLP(LightningModule):
@@ -97,6 +122,7 @@ def main(out: Path, opts: dict) -> None:
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
     if isinstance(strategy, dict):
         strategy = DeepSpeedPureBF16Strategy(**strategy)
+    capture = CaptureOptimizerState()
     trainer = Trainer(
         accelerator=opts.get("accelerator", "cpu"),
         devices=opts.get("devices", 2),
@@ -109,9 +135,12 @@ def main(out: Path, opts: dict) -> None:
         accumulate_grad_batches=opts.get("accumulate", 1),
         logger=CSVLogger(out, name="logs"),
         enable_checkpointing=bool(opts.get("ckpt_every")),
-        callbacks=[ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=opts["ckpt_every"], save_top_k=-1)]
-        if opts.get("ckpt_every")
-        else None,
+        callbacks=[capture]
+        + (
+            [ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=opts["ckpt_every"], save_top_k=-1)]
+            if opts.get("ckpt_every")
+            else []
+        ),
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
@@ -146,25 +175,22 @@ def main(out: Path, opts: dict) -> None:
         "rank": trainer.global_rank,
         "flat_params": flat,
         "real_masks": real_masks,
-        "state": {
-            k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}
-            for k, v in enumerate(opt.state.values())
-        },
+        "state": capture.captured["state"],
+        "state_files": capture.captured["state_files"],
+        "state_dir": capture.captured["state_dir"],
         "optimizer_class": type(opt).__name__,
         "rounding": [g["rounding"] for g in opt.param_groups],
         "group_wd": [g["weight_decay"] for g in opt.param_groups],
         "seed": opt.seed,
         "skipped_steps": opt.skipped_steps,
-        "memory_report": strat.memory_report(),
+        "memory_report": capture.captured["memory_report"],
         "losses": model.losses,
         "lrs": model.lrs,
         "global_step": trainer.global_step,
         "precision": type(strat.precision_plugin).__name__,
         "frozen_requires_grad": [p.requires_grad for p in model.net[0].parameters()],
     }
-    result["zero_buffers"] = [
-        (name, t.dtype, t.untyped_storage().nbytes()) for name, t in reachable_tensors(zero, "zero")
-    ]
+    result["zero_buffers"] = capture.captured["zero_buffers"]
     result["gradient_clipping"] = strat.deepspeed_engine.gradient_clipping()
     result["world_size"] = trainer.world_size
     result["persistent_numel"] = sum(p.numel() for p in zero.parameter_offload.persistent_parameters)

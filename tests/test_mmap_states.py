@@ -1,0 +1,338 @@
+"""Optimizer states in memory-mapped files: same bits as in memory, files on disk only, checkpoints, bad input."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_pure_bf16.optim.mmap_states as mmap_states
+from lightning_pure_bf16 import Adam, AdamW, StateStorageError
+from lightning_pure_bf16.ops import rng
+from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_, fused_cpu_available
+from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, adamw_update_torch_
+
+SHAPES = [(6,), (42, 3), (3000,), (431, 7), (0,), (5000,)]
+# Small chunks, so every tensor above 1024 elements streams through several chunks and both slots.
+CHUNK = 1024
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.detach()
+
+
+def _params(dtype=torch.bfloat16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+
+
+def _set_grads(params: list[torch.Tensor], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _make(params, opt_cls=AdamW, **kw):
+    groups = [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "lr": 3e-3, "betas": (0.8, 0.99)}]
+    return opt_cls(groups, lr=1e-2, seed=7, **kw)
+
+
+def _train(opt, params, steps, start=0):
+    for t in range(start, start + steps):
+        _set_grads(params, t)
+        opt.step()
+
+
+def _assert_same(params_a, opt_a, params_b, opt_b):
+    for a, b in zip(params_a, params_b):
+        assert torch.equal(_bits(a), _bits(b))
+        sa, sb = opt_a.state[a], opt_b.state[b]
+        assert set(sa) == set(sb)
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                assert torch.equal(_bits(sa[key]), _bits(sb[key])), key
+            else:
+                assert sa[key] == sb[key]
+
+
+# ------------------------------------------------------------------------------------------------ index offsets
+def _args(rounding: str) -> UpdateArgs:
+    keys = tuple(rng.stream_key(11, 3, 5, b) for b in rng.Buffer)
+    return UpdateArgs(1e-2, 0.9, 0.999, 1e-8, 0.1, True, 5, rounding, keys)  # type: ignore[arg-type]
+
+
+def _buffers(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m, v, c = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g) * 1e-4
+    return [t.to(torch.bfloat16) for t in (p, grad, m, v, c)]
+
+
+def _triton_update():
+    pytest.importorskip("triton")
+    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
+
+    return adamw_update_triton_
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_pieces_with_index_offsets_equal_the_whole_tensor(backend, rounding):
+    if backend == "cpu" and not fused_cpu_available():
+        pytest.skip("the fused CPU loop did not compile")
+    update = {
+        "torch": lambda *a, **k: adamw_update_torch_(*a, chunk_size=1024, **k),
+        "cpu": adamw_update_cpu_,
+        "triton": _triton_update() if backend == "triton" else None,
+    }[backend]
+    n, piece = 5000, 2048
+    whole = _buffers(n)
+    pieces = [t.clone() for t in whole]
+    update(*whole[:4], whole[4] if rounding == "kahan" else None, _args(rounding))
+    for s in range(0, n, piece):
+        chunk = [t[s : s + piece] for t in pieces]
+        update(*chunk[:4], chunk[4] if rounding == "kahan" else None, _args(rounding), index_offset=s)
+    for a, b in zip(whole, pieces):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def test_fused_cpu_loop_splits_pieces_at_the_2_32_index_boundary():
+    if not fused_cpu_available():
+        pytest.skip("the fused CPU loop did not compile")
+    # Elements 2**32 - 1024 ... 2**32 + 1023 of a huge tensor: the high index word changes in the middle.
+    offset = (1 << 32) - 1024
+    a, b = _buffers(2048, seed=1), _buffers(2048, seed=1)
+    adamw_update_cpu_(*a[:4], None, _args("stochastic"), index_offset=offset)
+    adamw_update_torch_(*b[:4], None, _args("stochastic"), chunk_size=1024, index_offset=offset)
+    for x, y in zip(a, b):
+        assert torch.equal(_bits(x), _bits(y))
+
+
+def test_misaligned_index_offset_is_refused():
+    buffers = _buffers(2048)
+    with pytest.raises(ValueError, match="index_offset"):
+        adamw_update_torch_(*buffers[:4], None, _args("stochastic"), chunk_size=1024, index_offset=512)
+    with pytest.raises(ValueError, match="index_offset"):
+        _triton_update()(*buffers[:4], None, _args("stochastic"), index_offset=100)
+
+
+# --------------------------------------------------------------------------------------------- the optimizer
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("opt_cls", [AdamW, Adam])
+def test_mmap_states_give_the_in_memory_results_bit_for_bit(tmp_path, opt_cls, backend, rounding):
+    init = _params()
+    a, b = [p.clone().requires_grad_() for p in init], [p.clone().requires_grad_() for p in init]
+    in_memory = _make(a, opt_cls, rounding=rounding, backend=backend)
+    in_files = _make(
+        b, opt_cls, rounding=rounding, backend=backend, state_storage="mmap", state_dir=tmp_path, state_chunk_size=CHUNK
+    )
+    _train(in_memory, a, 4)
+    _train(in_files, b, 4)
+    _assert_same(a, in_memory, b, in_files)
+    in_files.close()
+
+
+def test_mmap_states_with_the_triton_kernel(tmp_path):
+    _triton_update()
+    init = _params()[:3]
+    a, b = [p.clone().requires_grad_() for p in init], [p.clone().requires_grad_() for p in init]
+    in_memory = AdamW(a, lr=1e-2, seed=3, backend="triton")
+    in_files = AdamW(
+        b, lr=1e-2, seed=3, backend="triton", state_storage="mmap", state_dir=tmp_path, state_chunk_size=CHUNK
+    )
+    _train(in_memory, a, 2)
+    _train(in_files, b, 2)
+    _assert_same(a, in_memory, b, in_files)
+
+
+def test_float32_and_non_contiguous_parameters(tmp_path):
+    base = torch.randn(64, 40)
+    a = [torch.randn(3000).requires_grad_(), base.clone().to(torch.bfloat16).t().requires_grad_()]
+    b = [t.detach().clone().requires_grad_() for t in a]
+    b[1] = base.clone().to(torch.bfloat16).t().requires_grad_()
+    assert not b[1].is_contiguous()
+    in_memory = AdamW(a, lr=1e-2, seed=1)
+    in_files = AdamW(b, lr=1e-2, seed=1, state_storage="mmap", state_dir=tmp_path, state_chunk_size=CHUNK)
+    _train(in_memory, a, 3)
+    _train(in_files, b, 3)
+    _assert_same(a, in_memory, b, in_files)
+
+
+def test_states_live_in_one_file_per_tensor_and_nowhere_else(tmp_path):
+    params = [p.requires_grad_() for p in _params()]
+    opt = _make(params, rounding="kahan", state_storage="mmap", state_dir=tmp_path, state_chunk_size=CHUNK)
+    _train(opt, params, 1)
+    directory = Path(opt.state_dir)
+    assert directory.parent == tmp_path and directory.name.startswith("pure_bf16_states-")
+    files = sorted(directory.iterdir())
+    assert len(files) == len(params)
+    for p in params:
+        state = opt.state[p]
+        if p.numel() == 0:
+            continue  # an empty file maps to nothing
+        names = {state[k].untyped_storage().filename for k in ("exp_avg", "exp_avg_sq", "kahan_comp")}
+        assert len(names) == 1
+        (name,) = names
+        assert Path(name).parent == directory
+        assert os.path.getsize(name) == 3 * 2 * p.numel()
+        assert all(state[k].dtype == torch.bfloat16 and state[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq"))
+    opt.close()
+
+
+def test_close_removes_the_files_and_stops_the_optimizer(tmp_path):
+    params = [p.requires_grad_() for p in _params()]
+    opt = _make(params, state_storage="mmap", state_dir=tmp_path)
+    _train(opt, params, 1)
+    assert any(tmp_path.iterdir())
+    opt.close()
+    opt.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+
+
+def test_garbage_collection_removes_the_files(tmp_path):
+    params = [p.requires_grad_() for p in _params()]
+    opt = _make(params, state_storage="mmap", state_dir=tmp_path)
+    _train(opt, params, 1)
+    del opt
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("saved_in", "loaded_in"), [("mmap", "mmap"), ("memory", "mmap"), ("mmap", "memory")])
+def test_state_dict_resume_continues_bit_for_bit(tmp_path, saved_in, loaded_in):
+    def make(params, storage, sub):
+        kw = (
+            {"state_storage": "mmap", "state_dir": tmp_path / sub, "state_chunk_size": CHUNK}
+            if storage == "mmap"
+            else {}
+        )
+        (tmp_path / sub).mkdir(exist_ok=True)
+        return _make(params, rounding="kahan", **kw)
+
+    init = _params()
+    ref = [p.clone().requires_grad_() for p in init]
+    ref_opt = make(ref, "memory", "ref")
+    _train(ref_opt, ref, 6)
+
+    first = [p.clone().requires_grad_() for p in init]
+    opt = make(first, saved_in, "first")
+    _train(opt, first, 3)
+    saved = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+
+    second = [p.detach().clone().requires_grad_() for p in first]
+    resumed = make(second, loaded_in, "second")
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    _train(resumed, second, 3, start=3)
+    _assert_same(ref, ref_opt, second, resumed)
+
+
+def test_loading_states_of_another_model_changes_nothing(tmp_path):
+    params = [p.requires_grad_() for p in _params()]
+    opt = _make(params, state_storage="mmap", state_dir=tmp_path)
+    _train(opt, params, 1)
+    saved = opt.state_dict()
+    saved["state"][2]["exp_avg"] = torch.zeros(7, dtype=torch.bfloat16)
+    before = opt.state[params[2]]["exp_avg"].clone()
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(saved)
+    assert torch.equal(opt.state[params[2]]["exp_avg"], before)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def test_options_are_checked(tmp_path):
+    p = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
+    with pytest.raises(ValueError, match="needs `state_dir`"):
+        AdamW(p, state_storage="mmap")
+    with pytest.raises(ValueError, match="only used with `state_storage='mmap'`"):
+        AdamW(p, state_dir=tmp_path)
+    with pytest.raises(ValueError, match="state_storage='disk'"):
+        AdamW(p, state_storage="disk", state_dir=tmp_path)
+    with pytest.raises(ValueError, match="power of two"):
+        AdamW(p, state_storage="mmap", state_dir=tmp_path, state_chunk_size=3000)
+
+
+def test_missing_state_dir(tmp_path):
+    with pytest.raises(StateStorageError, match="does not exist"):
+        AdamW([torch.zeros(3, requires_grad=True)], state_storage="mmap", state_dir=tmp_path / "nope")
+
+
+def test_state_dir_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StateStorageError, match="not a directory"):
+        AdamW([torch.zeros(3, requires_grad=True)], state_storage="mmap", state_dir=tmp_path / "f")
+
+
+def test_read_only_state_dir():
+    # /proc refuses new files to every user, root included (a chmod'ed directory does not stop root).
+    with pytest.raises(StateStorageError, match="cannot create files"):
+        AdamW([torch.zeros(3, requires_grad=True)], state_storage="mmap", state_dir="/proc")
+
+
+def test_full_disk_is_an_error_before_anything_changes(tmp_path, monkeypatch):
+    params = [p.requires_grad_() for p in _params()]
+    before = [p.detach().clone() for p in params]
+    opt = _make(params, state_storage="mmap", state_dir=tmp_path)
+    monkeypatch.setattr(mmap_states.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**6, 10**6 - 1000, 1000))
+    _set_grads(params, 0)
+    with pytest.raises(StateStorageError, match="has 0.00 GiB free"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert all(len(opt.state[p]) == 0 or "exp_avg" not in opt.state[p] for p in params)
+    assert not any(Path(tmp_path).rglob("*.bin"))
+
+
+def test_failed_reservation_removes_the_files_of_the_step(tmp_path, monkeypatch):
+    params = [p.requires_grad_() for p in _params()]
+    before = [p.detach().clone() for p in params]
+    opt = _make(params, state_storage="mmap", state_dir=tmp_path)
+    calls = []
+
+    def fallocate(fd, offset, length):
+        calls.append(length)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        os.ftruncate(fd, length)
+
+    monkeypatch.setattr(mmap_states.os, "posix_fallocate", fallocate)
+    _set_grads(params, 0)
+    with pytest.raises(StateStorageError, match="the disk is full"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert not any(Path(tmp_path).rglob("*.bin"))
+
+
+@pytest.mark.parametrize("tamper", ["truncate", "remove", "replace"])
+def test_a_tampered_state_file_stops_the_step(tmp_path, tamper):
+    params = [p.requires_grad_() for p in _params()]
+    opt = _make(params, state_storage="mmap", state_dir=tmp_path)
+    _train(opt, params, 1)
+    path = Path(opt.state[params[3]]["exp_avg"].untyped_storage().filename)
+    if tamper == "truncate":
+        os.truncate(path, 10)
+    elif tamper == "remove":
+        path.unlink()
+    else:
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
+    before = [p.detach().clone() for p in params]
+    _set_grads(params, 1)
+    with pytest.raises(StateStorageError, match="cannot be trusted"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    opt.close()
+
+
+def test_filesystem_type_reads_the_mount_table():
+    assert mmap_states.filesystem_type("/proc/self") == "proc"
