@@ -48,6 +48,48 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(uninterrupted, resumed):
         assert b["losses"] == a["losses"][8:]
 
 
+def _assert_same_final_state(expected: list[dict], got: list[dict]) -> None:
+    for a, b in zip(expected, got):
+        assert b["global_step"] == a["global_step"] == 11
+        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
+            assert torch.equal(x[real], y[real])
+        for sa, sb, real in zip(a["state"].values(), b["state"].values(), a["real_masks"]):
+            assert torch.equal(sa["step"], sb["step"])
+            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+                assert torch.equal(sa[key][real], sb[key][real]), key
+        assert b["seed"] == a["seed"] and b["skipped_steps"] == a["skipped_steps"] == 1
+
+
+def _mmap_run(state_dir) -> dict:
+    return {**RUN, "strategy": {**RUN["strategy"], "state_storage": "mmap", "state_dir": str(state_dir)}}
+
+
+@pytest.fixture(scope="module")
+def mmap_uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mmap_uninterrupted")
+    fit(out, steps=11, ckpt_every=8, **_mmap_run(tmp_path_factory.mktemp("mmap_states")))
+    return out, load_ranks(out)
+
+
+def test_mmap_states_with_a_skipped_step_and_a_schedule_equal_in_memory_states(uninterrupted, mmap_uninterrupted):
+    _assert_same_final_state(uninterrupted[1], mmap_uninterrupted[1])
+    # repr: the loss of the step with the NaN gradient is NaN in both (and NaN != NaN).
+    assert list(map(repr, mmap_uninterrupted[1][0]["losses"])) == list(map(repr, uninterrupted[1][0]["losses"]))
+
+
+@pytest.mark.parametrize("saved_with", ["mmap", "memory"])
+def test_resume_into_mmap_states_equals_uninterrupted_run(uninterrupted, mmap_uninterrupted, saved_with, tmp_path):
+    source = mmap_uninterrupted if saved_with == "mmap" else uninterrupted
+    (tmp_path / "states").mkdir()
+    fit(
+        tmp_path, steps=11, ckpt_path=str(source[0] / "ckpts" / "epoch=0-step=8.ckpt"), **_mmap_run(tmp_path / "states")
+    )
+    resumed = load_ranks(tmp_path)
+    _assert_same_final_state(uninterrupted[1], resumed)
+    assert resumed[0]["losses"] == uninterrupted[1][0]["losses"][8:]
+    assert list((tmp_path / "states").iterdir()) == []
+
+
 def test_consolidated_weights_equal_live_weights_and_load_strict(uninterrupted):
     out, ranks = uninterrupted
     state = consolidate_checkpoint(out / "final")

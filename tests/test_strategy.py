@@ -6,6 +6,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_pure_bf16
-from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision
+import lightning_pure_bf16.strategy as strategy_module
+from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision, StateStorageError
+from lightning_pure_bf16.strategy import STATE_DIR_ENV
 from tests.strategy_runs import SCRIPTS, _env, fit, load_ranks, run_script
 
 # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every buffer the
@@ -253,3 +256,93 @@ def test_one_update_call_per_sub_group_per_step(tmp_path):
         assert r["sub_groups"] > 1
         # Each step updates every sub-group's whole flat partition exactly once.
         assert r["update_calls"] == r["sub_group_numels"] * 3
+
+
+# ------------------------------------------------------------------------------------ states in mmap files
+@pytest.fixture(scope="module")
+def mmap_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mmap")
+    state_dir = tmp_path_factory.mktemp("mmap_states")
+    fit(out, devices=2, steps=5, strategy={**EXACT, "state_storage": "mmap", "state_dir": str(state_dir)})
+    return state_dir, load_ranks(out)
+
+
+def test_mmap_states_train_exactly_like_in_memory_states(exact_runs, mmap_run):
+    for a, b in zip(exact_runs[0], mmap_run[1]):
+        assert a["seed"] == b["seed"] and a["losses"] == b["losses"]
+        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
+            assert torch.equal(x[real], y[real])
+        for sa, sb, real in zip(a["state"].values(), b["state"].values(), a["real_masks"]):
+            assert set(sa) == set(sb) == {"step", "stream", "exp_avg", "exp_avg_sq"}
+            assert torch.equal(sa["step"], sb["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(sa[key][real], sb[key][real]), key
+
+
+def test_mmap_states_leave_4_bytes_per_param_in_memory(mmap_run):
+    state_dir, ranks = mmap_run
+    for r in ranks:
+        report = r["memory_report"]
+        assert report["total"] == pytest.approx(4.0) and report["state_files"] == pytest.approx(4.0)
+        assert report["exp_avg"] == report["exp_avg_sq"] == 0.0
+        # An independent walk of what the ZeRO optimizer holds in memory: parameters and gradients, plus the two
+        # streaming slots (fixed-size working buffers, sized to the partition here as it is below one chunk).
+        slots = [(n, d, b) for n, d, b in _state_buffers(r) if "._streamers." in n]
+        buffers = [(n, d, b) for n, d, b in _state_buffers(r) if "._streamers." not in n]
+        partition_pow2 = 1 << (int(report["params_on_rank"]) - 1).bit_length()
+        assert len(slots) == 4 and all(b == 2 * partition_pow2 for _, _, b in slots), slots
+        assert all(dtype == torch.bfloat16 for _, dtype, _ in buffers), buffers
+        assert sum(b for _, _, b in buffers) / report["params_on_rank"] <= 4.0 + 1e-9, buffers
+        # Every moment is in a file of this rank's own directory under the state directory.
+        rank_dir = Path(r["state_dir"])
+        assert rank_dir.parent == state_dir and rank_dir.name.startswith(f"pure_bf16_states-rank{r['rank']}-")
+        names = [name for files in r["state_files"] for name in files.values()]
+        assert names and all(name is not None and Path(name).parent == rank_dir for name in names)
+    # The strategy's teardown removed the files.
+    assert list(state_dir.iterdir()) == []
+
+
+def test_mmap_strategy_refuses_an_in_memory_optimizer(tmp_path):
+    strategy = {"state_storage": "mmap", "state_dir": str(tmp_path)}
+    proc = fit(tmp_path, check=False, devices=1, steps=1, optimizer="pure", strategy=strategy)
+    assert proc.returncode != 0
+    assert "keeps optimizer states in memory-mapped files" in proc.stderr
+
+
+def test_mmap_preset_takes_the_state_dir_from_the_environment(tmp_path, monkeypatch):
+    assert StrategyRegistry["deepspeed_pure_bf16_mmap"]["init_params"] == {"state_storage": "mmap"}
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="deepspeed_pure_bf16_mmap", logger=False)
+    assert trainer.strategy.state_storage == "mmap" and trainer.strategy.state_dir == str(tmp_path)
+
+
+def test_mmap_preset_without_a_state_dir_says_how_to_give_one(monkeypatch):
+    monkeypatch.delenv(STATE_DIR_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"needs a state directory.*state_dir=.*{STATE_DIR_ENV}.*pure_bf16"):
+        Trainer(accelerator="cpu", devices=1, strategy="deepspeed_pure_bf16_mmap")
+
+
+def test_mmap_settings_in_the_deepspeed_config(tmp_path, monkeypatch):
+    monkeypatch.delenv(STATE_DIR_ENV, raising=False)
+    strategy = DeepSpeedPureBF16Strategy(config={"pure_bf16": {"state_storage": "mmap", "state_dir": str(tmp_path)}})
+    assert strategy.state_storage == "mmap" and strategy.state_dir == str(tmp_path)
+    assert "pure_bf16" not in strategy.config  # DeepSpeed never sees the section
+    with pytest.raises(ValueError, match=r"unknown keys \['state_path'\]"):
+        DeepSpeedPureBF16Strategy(config={"pure_bf16": {"state_path": str(tmp_path)}})
+
+
+def test_mmap_state_dir_errors_come_at_trainer_construction(tmp_path):
+    with pytest.raises(StateStorageError, match="does not exist"):
+        Trainer(strategy=DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir=tmp_path / "missing"))
+    with pytest.raises(StateStorageError, match="cannot create files"):
+        DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir="/proc")
+    with pytest.raises(ValueError, match="only used with `state_storage='mmap'`"):
+        DeepSpeedPureBF16Strategy(state_dir=tmp_path)
+    with pytest.raises(ValueError, match="state_storage='nvme'"):
+        DeepSpeedPureBF16Strategy(state_storage="nvme", state_dir=tmp_path)
+
+
+def test_mmap_state_dir_in_memory_is_warned_about(tmp_path, monkeypatch):
+    monkeypatch.setattr(strategy_module, "filesystem_type", lambda _: "tmpfs")
+    with pytest.warns(UserWarning, match="is on tmpfs, which is memory"):
+        DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir=tmp_path)

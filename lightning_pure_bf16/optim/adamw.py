@@ -392,8 +392,13 @@ class AdamW(Optimizer):
             states.append(state["kahan_comp"].view(-1))
         key = (p.device, p.dtype, len(states))
         streamer = self._streamers.get(key)
-        if streamer is None:
-            streamer = self._streamers[key] = StateStreamer(p.device, p.dtype, len(states), self.state_chunk_size)
+        # Slots as large as the largest tensor seen (a power of two), at most state_chunk_size: small models do not
+        # pay for 8 MiB slots.
+        chunk = min(self.state_chunk_size, 1 << max(p.numel() - 1, 1).bit_length())
+        if streamer is None or streamer.chunk < chunk:
+            if streamer is not None:
+                streamer.close()
+            streamer = self._streamers[key] = StateStreamer(p.device, p.dtype, len(states), chunk)
         p_flat = p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
         g_flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
 
