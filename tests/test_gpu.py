@@ -33,3 +33,45 @@ def test_torch_path_temporaries_stay_bounded():
     adamw_update_torch_(p, g, m, v, None, args)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < 64 * 2**20
+
+
+@pytest.mark.gpu
+def test_mmap_states_on_cuda_equal_in_memory_states(tmp_path):
+    from lightning_pure_bf16 import AdamW
+
+    n = 3 * (1 << 22) + 12345  # several streamed chunks and a short last one
+    init = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).cuda()
+    a, b = init.clone().requires_grad_(), init.clone().requires_grad_()
+    in_memory = AdamW([a], lr=1e-3, seed=1, rounding="kahan")
+    in_files = AdamW([b], lr=1e-3, seed=1, rounding="kahan", state_storage="mmap", state_dir=tmp_path)
+    in_files.init_state(b, in_files.param_groups[0])
+    keys = ("exp_avg", "exp_avg_sq", "kahan_comp")
+    assert all(not in_files.state[b][k].is_cuda for k in keys)
+    for step in range(3):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(step + 1)).to(torch.bfloat16).cuda()
+        a.grad, b.grad = grad, grad.clone()
+        in_memory.step()
+        in_files.step()
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    for k in keys:
+        assert torch.equal(in_memory.state[a][k].cpu(), in_files.state[b][k])
+    in_files.close()
+
+
+@pytest.mark.gpu
+def test_strategy_with_mmap_states_on_one_gpu(tmp_path):
+    states = tmp_path / "states"
+    states.mkdir()
+    strategy = {
+        "rounding": "kahan",
+        "state_storage": "mmap",
+        "state_dir": str(states),
+        "config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    }
+    fit(tmp_path, accelerator="gpu", devices=1, steps=4, strategy=strategy)
+    (r,) = load_ranks(tmp_path, world_size=1)
+    assert r["memory_report"]["total"] == pytest.approx(4.0)
+    assert r["memory_report"]["state_files"] == pytest.approx(6.0)
+    assert torch.isfinite(torch.tensor(r["losses"])).all()
+    assert list(states.iterdir()) == []

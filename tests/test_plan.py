@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pure_bf16.memory import MODEL_STATE_BYTES
+from lightning_pure_bf16.memory import MODEL_STATE_BYTES, STATE_FILE_BYTES
 from lightning_pure_bf16.plan import GIB, plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,9 +23,23 @@ def test_70b_on_8x80gb():
         "pure_bf16_kahan": 10.0,
         "deepspeed_bf16_master": 10.0,
         "deepspeed_bf16_mixed": 16.0,
+        "pure_bf16_mmap": 4.0,
+        "pure_bf16_kahan_mmap": 4.0,
     }
     assert p.per_gpu_model_state_gib["pure_bf16_stochastic"] == pytest.approx(70e9 * 8 / 8 / GIB)
     assert p.fits["pure_bf16_stochastic"] and not p.fits["deepspeed_bf16_mixed"]
+
+
+def test_mmap_states_need_disk_space_and_stream_time():
+    p = plan(70e9, 16, 80, gpus_per_node=8, disk_gbps=5.0)
+    # 4 B/param on the GPU; the moments (6 B/param with Kahan) on the disk of each node, read and written each step.
+    assert p.per_gpu_model_state_gib["pure_bf16_mmap"] == pytest.approx(70e9 * 4 / 16 / GIB)
+    assert p.state_files_per_node_gib["pure_bf16_mmap"] == pytest.approx(70e9 * 4 / 16 * 8 / GIB)
+    assert p.state_files_per_node_gib["pure_bf16_kahan_mmap"] == pytest.approx(70e9 * 6 / 16 * 8 / GIB)
+    assert p.disk_seconds_per_step["pure_bf16_mmap"] == pytest.approx(2 * 70e9 * 4 / 2 / 5e9)
+    assert p.disk_seconds_per_step["pure_bf16_stochastic"] is None
+    assert p.state_files_per_node_gib["pure_bf16_stochastic"] == 0.0
+    assert plan(70e9, 8, 80).disk_seconds_per_step["pure_bf16_mmap"] is None  # no bandwidth given: not estimated
 
 
 def test_frozen_parameters_hold_only_their_bf16_partition():
@@ -47,6 +61,8 @@ def test_margin_decides_fit():
         (["--params", "7e9", "--gpus", "0", "--gpu-memory-gib", "80"], "--gpus must be at least 1"),
         (["--params", "7e9", "--gpus", "8", "--gpu-memory-gib", "-1"], "--gpu-memory-gib must be positive"),
         (["--params", "7e9", "--gpus", "8", "--gpu-memory-gib", "80", "--frozen-fraction", "1"], "frozen-fraction"),
+        (["--params", "7e9", "--gpus", "8", "--gpu-memory-gib", "80", "--gpus-per-node", "9"], "--gpus-per-node"),
+        (["--params", "7e9", "--gpus", "8", "--gpu-memory-gib", "80", "--disk-gbps", "0"], "--disk-gbps must be"),
     ],
 )
 def test_bad_input_is_an_error(args, match):
@@ -68,7 +84,7 @@ def test_json_output():
         "--json",
     ]
     out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    for key in ("bytes_per_param", "per_gpu_model_state_gib", "fits"):
+    for key in ("bytes_per_param", "per_gpu_model_state_gib", "fits", "state_files_per_node_gib"):
         assert set(out[key]) == set(MODEL_STATE_BYTES)
     assert out["fits"]["pure_bf16_stochastic"] is True
 
@@ -84,3 +100,4 @@ def test_planner_agrees_with_measured_memory(tmp_path):
         assert float(row["total"]) == pytest.approx(planned[config], rel=0.05), config
         for category, nbytes in MODEL_STATE_BYTES[config].items():
             assert float(row[category]) == pytest.approx(nbytes, rel=0.05), (config, category)
+        assert float(row["state_files"]) == pytest.approx(STATE_FILE_BYTES.get(config, 0), rel=0.05), config
