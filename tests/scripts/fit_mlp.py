@@ -212,6 +212,11 @@ def main(out: Path, opts: dict) -> None:
             full = {k: v.detach().clone() for k, v in model.state_dict().items()}
         result["full_state"] = full
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    # An orderly shutdown: ranks leaving the gloo group one by one at interpreter exit can abort a process that is
+    # still connected ("terminate called without an active exception"), failing a run that completed.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _count_update_calls() -> list:
