@@ -438,16 +438,6 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         report = self.memory_report()
         rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + format_report(report))
 
-    @override
-    def teardown(self) -> None:
-        # Remove the state files of "mmap" storage (the optimizer's finalizer would at exit; a notebook lives on).
-        engine = getattr(self, "deepspeed_engine", None) if self.model is not None else None
-        zero = getattr(engine, "optimizer", None)
-        inner = getattr(zero, "optimizer", None)
-        if isinstance(inner, AdamW) and inner.state_storage == "mmap":
-            inner.close()
-        super().teardown()
-
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:

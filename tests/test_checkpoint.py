@@ -67,8 +67,23 @@ def _mmap_run(state_dir) -> dict:
 @pytest.fixture(scope="module")
 def mmap_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("mmap_uninterrupted")
-    fit(out, steps=11, ckpt_every=8, **_mmap_run(tmp_path_factory.mktemp("mmap_states")))
+    fit(
+        out, steps=11, ckpt_every=8, save_at_end=str(out / "final"), **_mmap_run(tmp_path_factory.mktemp("mmap_states"))
+    )
     return out, load_ranks(out)
+
+
+def test_saving_after_fit_with_mmap_states_keeps_the_moments(mmap_uninterrupted):
+    # `trainer.save_checkpoint` after `fit`: the state files must still be there, and their contents saved.
+    out, ranks = mmap_uninterrupted
+    for r in ranks:
+        saved = torch.load(
+            out / "final" / "checkpoint" / f"bf16_zero_pp_rank_{r['rank']}_mp_rank_00_optim_states.pt",
+            weights_only=False,
+        )["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+        for (index, state), real in zip(r["state"].items(), r["real_masks"]):
+            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+                assert torch.equal(saved[index][key][real], state[key][real]), key
 
 
 def test_mmap_states_with_a_skipped_step_and_a_schedule_equal_in_memory_states(uninterrupted, mmap_uninterrupted):

@@ -195,6 +195,8 @@ def test_close_removes_the_files_and_stops_the_optimizer(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
+    with pytest.raises(RuntimeError, match="no moments to save"):
+        opt.state_dict()
 
 
 def test_garbage_collection_removes_the_files(tmp_path):

@@ -445,6 +445,11 @@ class AdamW(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The torch state dict plus the rounding seed, the stream counter and the skipped-step count."""
+        if self._closed and self._store is not None:
+            raise RuntimeError(
+                f"This {type(self).__name__} was closed and its state files removed: there are no moments to save."
+                " Save before calling `close()`."
+            )
         sd = super().state_dict()
         sd[_STATE_EXTRA_KEY] = {
             "seed": self.seed,
