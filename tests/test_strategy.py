@@ -223,7 +223,7 @@ def test_package_import_registers_on_reimport():
     assert "deepspeed_pure_bf16" in StrategyRegistry
 
 
-@pytest.mark.parametrize("source", ["yaml", "argument"])
+@pytest.mark.parametrize("source", ["yaml", "argument", "mmap_yaml", "mmap_preset"])
 def test_lightning_cli(tmp_path, source):
     common = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=3", "--trainer.logger=false"]
     common += [f"--trainer.default_root_dir={tmp_path}"]
@@ -232,20 +232,37 @@ def test_lightning_cli(tmp_path, source):
         "--trainer.enable_progress_bar=false",
         "--trainer.limit_val_batches=1",
     ]
+    states = tmp_path / "states"
+    states.mkdir()
+    env = {}
+    expected, expected_total = "stochastic", 8.0
     if source == "yaml":
         config = tmp_path / "cfg.yaml"
         config.write_text("trainer:\n  strategy: deepspeed_pure_bf16_kahan\n")
         args = ["fit", "--config", str(config), *common]
-        expected = "kahan"
-    else:
+        expected, expected_total = "kahan", 10.0
+    elif source == "argument":
         args = ["fit", "--trainer.strategy", "deepspeed_pure_bf16", *common]
-        expected = "stochastic"
-    run_script("cli_mlp.py", tmp_path, *args)
+    elif source == "mmap_yaml":
+        config = tmp_path / "cfg.yaml"
+        config.write_text(
+            "trainer:\n  strategy:\n    class_path: lightning_pure_bf16.DeepSpeedPureBF16Strategy\n    init_args:\n"
+            f"      rounding: kahan\n      state_storage: mmap\n      state_dir: {states}\n"
+        )
+        args = ["fit", "--config", str(config), *common]
+        expected, expected_total = "kahan", 4.0
+    else:
+        args = ["fit", "--trainer.strategy", "deepspeed_pure_bf16_mmap", *common]
+        env = {STATE_DIR_ENV: str(states)}
+        expected_total = 4.0
+    run_script("cli_mlp.py", tmp_path, *args, **env)
     for rank in range(2):
         r = torch.load(tmp_path / f"cli_rank{rank}.pt", weights_only=False)
         assert r["strategy"] == "DeepSpeedPureBF16Strategy" and r["rounding"] == expected
         assert r["optimizer"] == "AdamW" and r["global_step"] == 3 and r["world_size"] == 2
-        assert r["memory_report"]["total"] == pytest.approx(8.0 if expected == "stochastic" else 10.0)
+        assert r["memory_report"]["total"] == pytest.approx(expected_total)
+        if source.startswith("mmap"):
+            assert r["memory_report"]["state_files"] == pytest.approx(6.0 if expected == "kahan" else 4.0)
 
 
 def test_one_update_call_per_sub_group_per_step(tmp_path):
@@ -307,6 +324,16 @@ def test_mmap_strategy_refuses_an_in_memory_optimizer(tmp_path):
     proc = fit(tmp_path, check=False, devices=1, steps=1, optimizer="pure", strategy=strategy)
     assert proc.returncode != 0
     assert "keeps optimizer states in memory-mapped files" in proc.stderr
+
+
+def test_mmap_states_that_do_not_fit_on_the_disk_fail_at_setup(tmp_path):
+    strategy = {"state_storage": "mmap", "state_dir": str(tmp_path)}
+    proc = fit(tmp_path, check=False, devices=1, steps=2, strategy=strategy, fake_free_bytes=1000)
+    assert proc.returncode != 0
+    assert "the optimizer states need" in proc.stderr and "has 0.00 GiB free" in proc.stderr
+    # Raised while the strategy allocates the states, before the first training step.
+    assert "init_zero3_optimizer_state" in proc.stderr and "training_step" not in proc.stderr
+    assert not any(tmp_path.rglob("*.bin"))
 
 
 def test_mmap_preset_takes_the_state_dir_from_the_environment(tmp_path, monkeypatch):

@@ -117,6 +117,13 @@ def main(out: Path, opts: dict) -> None:
         import lightning_pure_bf16.strategy as strategy_module
 
         strategy_module.alias_bf16_master_partitions = contextlib.nullcontext
+    if opts.get("fake_free_bytes") is not None:
+        import shutil
+
+        import lightning_pure_bf16.optim.mmap_states as mmap_states
+
+        free = opts["fake_free_bytes"]
+        mmap_states.shutil.disk_usage = lambda _: shutil._ntuple_diskusage(10 * free + 1, 9 * free + 1, free)
     seed_everything(opts.get("seed", 1234), workers=True)
     model = MLP(opts)
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
