@@ -5,6 +5,7 @@ printing the validation loss, the training throughput and the measured model-sta
 
     python examples/train_gpt.py                        # the defaults below
     python examples/train_gpt.py --rounding kahan --max-steps 500
+    python examples/train_gpt.py --state-dir /local/nvme/tmp     # optimizer states in memory-mapped files
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=384 if on_gpu else 128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--state-dir", default=None, help="keep the optimizer states in memory-mapped files there")
     args = parser.parse_args()
 
     seed_everything(args.seed)
@@ -39,7 +41,11 @@ def main() -> None:
     trainer = Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=args.devices,
-        strategy=DeepSpeedPureBF16Strategy(rounding=args.rounding),
+        strategy=DeepSpeedPureBF16Strategy(
+            rounding=args.rounding,
+            state_storage="mmap" if args.state_dir else "memory",
+            state_dir=args.state_dir,
+        ),
         max_steps=args.max_steps,
         val_check_interval=max(1, args.max_steps // 3),
         limit_val_batches=16 if on_gpu else 4,

@@ -48,6 +48,16 @@ def test_train_gpt_script_reports_loss_throughput_and_memory():
     assert "model state per parameter: 8.00 B/param" in out
 
 
+def test_train_gpt_script_with_states_in_files(tmp_path):
+    small = ["--max-steps", "4", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4"]
+    proc = _run(["train_gpt.py", *small, "--state-dir", str(tmp_path)])
+    out = proc.stdout + proc.stderr
+    assert "validation loss:" in out
+    assert "model state per parameter: 4.00 B/param" in out
+    assert "plus 4.00 B/param of optimizer state in memory-mapped files" in out
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_gpt_yaml_through_lightning_cli(tmp_path):
     small = [
         f"--trainer.default_root_dir={tmp_path}",
