@@ -400,7 +400,7 @@ class AdamW(Optimizer):
                 streamer.close()
             streamer = self._streamers[key] = StateStreamer(p.device, p.dtype, len(states), chunk)
         p_flat = p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
-        g_flat = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+        g_flat = grad.reshape(-1)
 
         def forward(chunks: list[torch.Tensor]) -> tuple[Any, ...]:
             return chunks[0], chunks[1], chunks[2] if kahan else None, args

@@ -131,7 +131,7 @@ class MmapStateStore:
         if needed + _SPACE_MARGIN > free:
             raise StateStorageError(
                 errno.ENOSPC,
-                f"`{self.who}`: the optimizer states need {_gib(needed)} in '{self.root}', which has {_gib(free)}"
+                f"`{self.who}`: the optimizer states need {_size(needed)} in '{self.root}', which has {_size(free)}"
                 f" free. Free space (leftover '{_DIR_PREFIX}*' directories of crashed runs can be deleted) or pass"
                 " another `state_dir`.",
             )
@@ -169,7 +169,7 @@ class MmapStateStore:
             reason = "the disk is full" if err.errno == errno.ENOSPC else err.strerror
             raise StateStorageError(
                 err.errno,
-                f"`{self.who}`: cannot reserve {_gib(nbytes)} for the state file '{path}': {reason}. Free space or"
+                f"`{self.who}`: cannot reserve {_size(nbytes)} for the state file '{path}': {reason}. Free space or"
                 " pass another `state_dir`.",
             ) from err
         os.close(fd)
@@ -226,7 +226,11 @@ class MmapStateStore:
         f.buffers = []
 
 
-def _gib(nbytes: int) -> str:
+def _size(nbytes: int) -> str:
+    if nbytes < 1024**2:
+        return f"{nbytes} bytes"
+    if nbytes < 1024**3:
+        return f"{nbytes / 1024**2:.1f} MiB"
     return f"{nbytes / 1024**3:.2f} GiB"
 
 
