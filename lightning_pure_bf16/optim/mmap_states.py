@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -266,6 +267,9 @@ class StateStreamer:
     def close(self) -> None:
         self.reader.shutdown(wait=True)
         self.writer.shutdown(wait=True)
+        if self.copy_stream is not None:
+            # No copy may still use the slots when their memory goes back to the allocator.
+            self.copy_stream.synchronize()
 
     def update(
         self,
@@ -273,7 +277,7 @@ class StateStreamer:
         param: torch.Tensor,
         grad: torch.Tensor,
         states: Sequence[torch.Tensor],
-        forward: Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]],
+        forward: Callable[[list[torch.Tensor]], tuple[Any, ...]],
     ) -> None:
         """Run ``update`` over ``param`` chunk by chunk with the matching chunks of the file-backed ``states``.
 
