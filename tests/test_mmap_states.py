@@ -199,6 +199,26 @@ def test_close_removes_the_files_and_stops_the_optimizer(tmp_path):
         opt.state_dict()
 
 
+def _close_in_child(opt) -> None:
+    opt.close()
+
+
+def test_a_forked_child_never_removes_the_parents_files(tmp_path):
+    import multiprocessing
+
+    params = [p.requires_grad_() for p in _params()]
+    opt = _make(params, state_storage="mmap", state_dir=tmp_path)
+    _train(opt, params, 1)
+    files = sorted(Path(opt.state_dir).iterdir())
+    child = multiprocessing.get_context("fork").Process(target=_close_in_child, args=(opt,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert sorted(Path(opt.state_dir).iterdir()) == files
+    _train(opt, params, 1, start=1)
+    opt.close()
+
+
 def test_garbage_collection_removes_the_files(tmp_path):
     params = [p.requires_grad_() for p in _params()]
     opt = _make(params, state_storage="mmap", state_dir=tmp_path)

@@ -108,7 +108,8 @@ class MmapStateStore:
     def __init__(self, state_dir: str | os.PathLike, *, who: str) -> None:
         self.root = Path(state_dir)
         self.who = who
-        self.label = f"{socket.gethostname()}-pid{os.getpid()}"
+        self.pid = os.getpid()
+        self.label = f"{socket.gethostname()}-pid{self.pid}"
         self.directory: Path | None = None
         self.files: dict[int, _StateFile] = {}
 
@@ -215,7 +216,13 @@ class MmapStateStore:
         return sum(f.nbytes for f in self.files.values())
 
     def close(self) -> None:
-        """Remove every file and the directory (idempotent). Mappings still referenced stay valid until released."""
+        """Remove every file and the directory (idempotent). Mappings still referenced stay valid until released.
+
+        Only in the process that created them: a forked child (a DataLoader worker) exiting must not remove its
+        parent's states.
+        """
+        if os.getpid() != self.pid:
+            return
         self.release_all()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
