@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 from datetime import timedelta
 from functools import wraps
 from typing import Any
@@ -437,6 +438,15 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         init_zero3_optimizer_state(self.deepspeed_engine.optimizer)
         report = self.memory_report()
         rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + format_report(report))
+        optimizer = self.pure_bf16_optimizer
+        if optimizer._store is not None:
+            used = optimizer._store.nbytes() / 1024**3
+            free = shutil.disk_usage(optimizer._store.root).free / 1024**3
+            rank_zero_info(
+                f"{self.strategy_name}: optimizer states in memory-mapped files, {used:.2f} GiB in"
+                f" {optimizer.state_dir} on rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory"
+                " there."
+            )
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
