@@ -49,10 +49,9 @@ def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
     ``param`` is the bf16 parameter partition, ``grad`` ZeRO-3's persistent gradient partition buffer, ``master``
     the master partition when it is a separate copy (0 when it is the parameter partition itself), then every tensor
     of the inner optimizer's state that has one element per parameter and is held in memory; state in memory-mapped
-    files (``state_storage="mmap"``) is reported as ``state_files``, outside ``total``. Parameters ZeRO-3 keeps gathered
-    on every rank
-    (below ``stage3_param_persistence_threshold``) and fixed-size communication buckets are not model state and are
-    not counted here; :func:`reachable_tensors` finds them.
+    files (``state_storage="mmap"``) is reported as ``state_files``, outside ``total``. Parameters ZeRO-3 keeps
+    gathered on every rank (below ``stage3_param_persistence_threshold``) and fixed-size communication buckets are not
+    model state and are not counted here; :func:`reachable_tensors` finds them.
 
     Returns:
         One entry per name in :data:`CATEGORIES` plus ``"total"`` (bytes/param in memory), ``"state_files"``

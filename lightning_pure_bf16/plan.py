@@ -4,11 +4,10 @@ Per-GPU memory for ZeRO-3 training under six configurations: this strategy with 
 compensation, each with optimizer states in device memory or in memory-mapped files (``state_storage="mmap"``),
 DeepSpeed's bf16-master flags, and DeepSpeed's bf16 mixed precision. Model state is the measured bytes per parameter
 (``lightning_pure_bf16.memory.MODEL_STATE_BYTES``; ``STATE_FILE_BYTES`` for the files), sharded over the GPUs; on
-top come ZeRO-3's
-gathered-parameter working set and communication buckets (DeepSpeed's defaults), and a stated margin for
-activations, the CUDA context and allocator fragmentation, which this planner does not estimate. For the "mmap"
-configurations it also gives the disk space per node and, with ``--disk-gbps``, the time each optimizer step spends
-streaming the states (read once, written once), a lower bound that the disk sets.
+top come ZeRO-3's gathered-parameter working set and communication buckets (DeepSpeed's defaults), and a stated
+margin for activations, the CUDA context and allocator fragmentation, which this planner does not estimate. For the
+"mmap" configurations it also gives the disk space per node and, with ``--disk-gbps``, the time each optimizer step
+spends streaming the states (read once, written once), a lower bound that the disk sets.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from lightning_pure_bf16.memory import FROZEN_BYTES, MODEL_STATE_BYTES, STATE_FILE_BYTES, bytes_per_param
+from lightning_pure_bf16.optim.mmap_states import DEFAULT_STATE_CHUNK
 
 GIB = 1024**3
 # DeepSpeed ZeRO-3 defaults (elements): parameters gathered at once, prefetch bucket, gradient reduce bucket.
@@ -27,8 +27,8 @@ MAX_LIVE_PARAMETERS = 1_000_000_000
 PREFETCH_BUCKET = 50_000_000
 REDUCE_BUCKET = 200_000_000
 DEFAULT_MARGIN_FRACTION = 0.15
-# The streaming slots of state_storage="mmap" on the device: 2 slots x 3 buffers x 2**22 bf16 elements.
-MMAP_STAGING_BYTES = 2 * 3 * (1 << 22) * 2
+# The streaming slots of state_storage="mmap" on the device, at most: 2 slots x 3 buffers x a chunk of bf16 elements.
+MMAP_STAGING_BYTES = 2 * 3 * DEFAULT_STATE_CHUNK * 2
 LABELS = {
     "pure_bf16_stochastic": "this strategy (stochastic rounding)",
     "pure_bf16_kahan": "this strategy (Kahan)",

@@ -439,9 +439,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         report = self.memory_report()
         rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + format_report(report))
         optimizer = self.pure_bf16_optimizer
-        if optimizer._store is not None:
-            used = optimizer._store.nbytes() / 1024**3
-            free = shutil.disk_usage(optimizer._store.root).free / 1024**3
+        if optimizer.state_storage == "mmap":
+            used = report["state_files"] * report["params_on_rank"] / 1024**3
+            free = shutil.disk_usage(optimizer.state_dir).free / 1024**3
             rank_zero_info(
                 f"{self.strategy_name}: optimizer states in memory-mapped files, {used:.2f} GiB in"
                 f" {optimizer.state_dir} on rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory"

@@ -126,9 +126,9 @@ class MmapStateStore:
             StateStorageError: when the disk has too little free space (checked for all files before any is created)
                 or a file cannot be created; files created by this call are removed again.
         """
-        needed = sum(numel * count * dtype.itemsize for _, numel, count, dtype in requests)
         if not requests:
             return {}
+        needed = sum(numel * count * dtype.itemsize for _, numel, count, dtype in requests)
         free = shutil.disk_usage(self.root).free
         if needed + _SPACE_MARGIN > free:
             raise StateStorageError(
@@ -210,10 +210,6 @@ class MmapStateStore:
         for f in self.files.values():
             self._remove(f)
         self.files.clear()
-
-    def nbytes(self) -> int:
-        """Bytes of all state files."""
-        return sum(f.nbytes for f in self.files.values())
 
     def close(self) -> None:
         """Remove every file and the directory (idempotent). Mappings still referenced stay valid until released.
