@@ -27,6 +27,8 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <utility>
 
 namespace {
 
@@ -44,6 +46,29 @@ inline float widen(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16)
 // Stochastic rounding: 16 random bits added below the kept 16 carry into them with the discarded fraction's odds.
 inline uint16_t round_stochastic(float x, uint32_t r) {
   return static_cast<uint16_t>((bits_of(x) + (r & 0xFFFFu)) >> 16);
+}
+// Stochastic rounding of the exact sum a + b at 2**-32 of a bf16 ulp (rounding.stochastic_round_sum_bf16 explains
+// each step): the float32 sum and its TwoSum error both take part, so an update of 1e-7 of the weight is not lost
+// to the float32 rounding of the sum before the stochastic rounding to bf16.
+inline uint16_t round_stochastic_sum(float a, float b, uint32_t r) {
+  const float s = a + b;
+  const float bb = s - a;
+  const float e = (a - (s - bb)) + (b - bb);
+  const uint32_t sb = bits_of(s), eb = bits_of(e);
+  const uint32_t mag = sb & 0x7FFFFFFFu;
+  const int64_t e_exp = (eb >> 23) & 0xFFu;
+  const int64_t e_mant = (eb & 0x7FFFFFu) | (e_exp != 0 ? 0x800000u : 0u);
+  const int64_t s_exp = mag >> 23;
+  const int64_t gap =
+      std::min<int64_t>(std::max<int64_t>(std::max<int64_t>(s_exp, 1) - std::max<int64_t>(e_exp, 1), 0), 63);
+  int64_t frac = (e_mant << 16) >> gap;
+  frac = ((sb ^ eb) >> 31) ? -frac : frac;
+  frac = (frac < 0 && (mag & 0x7FFFFFu) == 0 && mag >= 0x01000000u) ? frac * 2 : frac;
+  const int64_t hi = mag >> 16;
+  const int64_t z = (static_cast<int64_t>(mag & 0xFFFFu) << 16) + frac + static_cast<int64_t>(r);
+  int64_t out = hi + (z >> 32);
+  out = mag >= 0x7F800000u ? (hi | (mag > 0x7F800000u ? 0x40 : 0)) : out;
+  return static_cast<uint16_t>(out | ((sb >> 16) & 0x8000u));
 }
 inline uint16_t round_nearest(float x) {
   const uint32_t b = bits_of(x);
@@ -84,12 +109,12 @@ void update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint
       V[i] = round_nearest(v);
     } else {
       if (ROUNDING == 2) {
-        const float y = delta + widen(C[i]);
-        const uint16_t out = round_nearest(p + y);
-        C[i] = round_nearest(y - (widen(out) - p));
+        const float c = widen(C[i]);
+        const uint16_t out = round_nearest(p + (delta + c));
+        C[i] = round_stochastic_sum(c - (widen(out) - p), delta, mix32(lo ^ kp));
         P[i] = out;
       } else {
-        P[i] = round_stochastic(p + delta, mix32(lo ^ kp));
+        P[i] = round_stochastic_sum(p, delta, mix32(lo ^ kp));
       }
       M[i] = round_stochastic(m, mix32(lo ^ km));
       V[i] = round_stochastic(v, mix32(lo ^ kv));
@@ -126,6 +151,8 @@ void dispatch_decay(bool l2, bool decoupled, uint16_t* P, const uint16_t* G, uin
 
 // Whether any element is inf or NaN (exponent bits all ones): one read-only pass, an OR-reduction that vectorizes.
 bool any_nonfinite_bf16(torch::Tensor t) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
+              "any_nonfinite_bf16: needs a contiguous bfloat16 CPU tensor");
   const uint16_t* x = reinterpret_cast<const uint16_t*>(t.data_ptr());
   std::atomic<bool> found{false};
   at::parallel_for(0, t.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
@@ -142,6 +169,24 @@ void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor ex
                        double beta2, double one_minus_beta2, double eps, double weight_decay, double decay,
                        double neg_step_size, double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m,
                        int64_t key_v, int64_t index_offset) {
+  // The loop reads raw bf16 words: every buffer must be a contiguous bf16 CPU tensor of the parameter's size.
+  TORCH_CHECK(rounding >= 0 && rounding <= 2, "adamw_update_bf16: rounding code ", rounding, " is not 0, 1 or 2");
+  TORCH_CHECK(index_offset >= 0, "adamw_update_bf16: index_offset must be >= 0, got ", index_offset);
+  const int64_t numel = param.numel();
+  const std::pair<const char*, const torch::Tensor*> buffers[] = {{"param", &param},
+                                                                   {"grad", &grad},
+                                                                   {"exp_avg", &exp_avg},
+                                                                   {"exp_avg_sq", &exp_avg_sq},
+                                                                   {"kahan_comp", &kahan_comp}};
+  for (const auto& [name, t] : buffers) {
+    if (rounding != 2 && std::string(name) == "kahan_comp") continue;
+    TORCH_CHECK(t->device().is_cpu(), "adamw_update_bf16: `", name, "` must be a CPU tensor, got ", t->device());
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "adamw_update_bf16: `", name, "` must be bfloat16, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->is_contiguous(), "adamw_update_bf16: `", name, "` must be contiguous");
+    TORCH_CHECK(t->numel() == numel, "adamw_update_bf16: `", name, "` has ", t->numel(), " elements, the parameter ",
+                numel);
+  }
   uint16_t* P = reinterpret_cast<uint16_t*>(param.data_ptr());
   const uint16_t* G = reinterpret_cast<const uint16_t*>(grad.data_ptr());
   uint16_t* M = reinterpret_cast<uint16_t*>(exp_avg.data_ptr());
@@ -188,7 +233,7 @@ def fused_cpu_available() -> bool:
             capability = torch.backends.cpu.get_cpu_capability()
             arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
             _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v7_{capability.lower()}",
+                name=f"lightning_pure_bf16_adamw_cpu_v8_{capability.lower()}",
                 cpp_sources=[_source()],
                 functions=["adamw_update_bf16", "any_nonfinite_bf16"],
                 extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *arch],

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_pure_bf16.ops.rng import random_bits
-from lightning_pure_bf16.ops.rounding import nearest_round_bf16, stochastic_round_bf16
+from lightning_pure_bf16.ops.rounding import nearest_round_bf16, stochastic_round_bf16, stochastic_round_sum_bf16
 
 # 2**18 elements: about a dozen float32/int32 temporaries of 1 MiB each (well under 64 MiB), large enough that the
 # per-chunk Python overhead is small against the arithmetic, and a power of two as rng.random_bits requires.
@@ -155,14 +155,17 @@ def adamw_update_torch_(
             m_out = nearest_round_bf16(m)
             v_out = nearest_round_bf16(v)
         else:
+            bits_p = random_bits(args.keys[0], index_offset + start, idx)
             if args.rounding == "kahan":
-                # Kahan: add the carried remainder to this step's update, round the sum to nearest, and keep what
-                # the rounding lost (exactly representable in fp32) for the next step.
-                y = delta.add_(c_flat[start:end].float())
-                p_out = nearest_round_bf16(p + y)
-                c_flat[start:end] = nearest_round_bf16(y.sub_(p_out.float().sub_(p)))
+                # Kahan: add the carried remainder to this step's update and round the sum to nearest; the new
+                # remainder (old one, less what the write took, plus the update) is written with stochastic rounding
+                # of its exact sum, so an update far below the remainder's own bf16 spacing still counts on average.
+                c = c_flat[start:end].float()
+                p_out = nearest_round_bf16(p + (delta + c))
+                c_flat[start:end] = stochastic_round_sum_bf16(c.sub_(p_out.float().sub_(p)), delta, bits_p)
             else:
-                p_out = stochastic_round_bf16(p.add_(delta), random_bits(args.keys[0], index_offset + start, idx))
+                # SR of the exact p + delta: the float32 sum alone would round away an update of 1e-7 of the weight.
+                p_out = stochastic_round_sum_bf16(p, delta, bits_p)
             m_out = stochastic_round_bf16(m, random_bits(args.keys[1], index_offset + start, idx))
             v_out = stochastic_round_bf16(v, random_bits(args.keys[2], index_offset + start, idx))
         p_flat[start:end] = p_out

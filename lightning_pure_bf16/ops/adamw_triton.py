@@ -7,6 +7,8 @@ the Triton interpreter (how the CPU tests run this kernel) truncates in its floa
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,33 @@ def _stochastic_round(x, key, hi, lo):
     r = _mix32(lo ^ kb) & 0xFFFF
     b = x.to(tl.uint32, bitcast=True) + r
     return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _stochastic_round_sum(a, b, key, hi, lo):
+    # Stochastic rounding of the exact a + b at 2**-32 of a bf16 ulp (rounding.stochastic_round_sum_bf16 explains
+    # each step): the fp32 sum alone would already have lost an update of 1e-7 of the weight. int64 holds the
+    # fraction below the kept 16 bits plus 32 random bits and their carry.
+    kb = _mix32(key.to(tl.uint32) ^ hi)
+    r = _mix32(lo ^ kb).to(tl.int64)
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    sb = s.to(tl.uint32, bitcast=True).to(tl.int64)
+    eb = e.to(tl.uint32, bitcast=True).to(tl.int64)
+    mag = sb & 0x7FFFFFFF
+    e_exp = (eb >> 23) & 0xFF
+    e_mant = (eb & 0x7FFFFF) | tl.where(e_exp != 0, 0x800000, 0).to(tl.int64)
+    gap = tl.minimum(tl.maximum(tl.maximum(mag >> 23, 1) - tl.maximum(e_exp, 1), 0), 63)
+    frac = (e_mant << 16) >> gap
+    frac = tl.where(((sb ^ eb) >> 31) != 0, -frac, frac)
+    frac = tl.where((frac < 0) & ((mag & 0x7FFFFF) == 0) & (mag >= 0x01000000), frac * 2, frac)
+    kept = mag >> 16
+    z = ((mag & 0xFFFF) << 16) + frac + r
+    out = kept + (z >> 32)
+    out = tl.where(mag >= 0x7F800000, kept | tl.where(mag > 0x7F800000, 0x40, 0).to(tl.int64), out)
+    b32 = ((out << 16) | (sb & 0x80000000)).to(tl.uint32)
+    return b32.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
@@ -110,14 +139,16 @@ def _adamw_kernel(
 
     if ROUNDING == _ROUND_KAHAN:
         c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        y = delta + c
-        p_out = _nearest_round(p + y)
-        # What the nearest rounding lost is exact in fp32; it is carried to the next step.
-        tl.store(c_ptr + offsets, _nearest_round(y - (p_out.to(tl.float32) - p)), mask=mask)
+        p_out = _nearest_round(p + (delta + c))
+        # The new remainder (old one, less what the write took, plus the update) is written with stochastic rounding
+        # of its exact sum: rounded to nearest, an update below half its own spacing would be lost every step.
+        c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, key_p, hi, lo)
+        tl.store(c_ptr + offsets, c_new, mask=mask)
         m_out = _stochastic_round(m, key_m, hi, lo)
         v_out = _stochastic_round(v, key_v, hi, lo)
     elif ROUNDING == _ROUND_STOCHASTIC:
-        p_out = _stochastic_round(p + delta, key_p, hi, lo)
+        # SR of the exact p + delta: the fp32 sum would round away an update of 1e-7 of the weight.
+        p_out = _stochastic_round_sum(p, delta, key_p, hi, lo)
         m_out = _stochastic_round(m, key_m, hi, lo)
         v_out = _stochastic_round(v, key_v, hi, lo)
     else:
@@ -150,31 +181,43 @@ def adamw_update_triton_(
         return
     if index_offset < 0 or index_offset % BLOCK_SIZE:
         raise ValueError(f"`index_offset={index_offset}` must be a non-negative multiple of {BLOCK_SIZE}.")
-    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if not t.is_contiguous():
-            raise ValueError(f"The Triton AdamW kernel needs contiguous buffers; `{name}` is not.")
     if args.rounding == "kahan" and kahan_comp is None:
         raise ValueError("`rounding='kahan'` needs the compensation buffer.")
+    buffers = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if args.rounding == "kahan":
+        buffers["kahan_comp"] = kahan_comp  # type: ignore[assignment]
+    # The kernel indexes raw pointers: every buffer must match the parameter's size and device and be contiguous.
+    for name, t in buffers.items():
+        if not t.is_contiguous():
+            raise ValueError(f"The Triton AdamW kernel needs contiguous buffers; `{name}` is not.")
+        if t.numel() != n:
+            raise ValueError(f"The Triton AdamW kernel: `{name}` has {t.numel()} elements, the parameter {n}.")
+        if t.device != param.device:
+            raise ValueError(f"The Triton AdamW kernel: `{name}` is on {t.device}, the parameter on {param.device}.")
+        if name != "grad" and t.dtype != torch.bfloat16:
+            raise ValueError(f"The Triton AdamW kernel needs bfloat16 `{name}`, got {t.dtype}.")
     grid = (triton.cdiv(n, BLOCK_SIZE),)
-    _adamw_kernel[grid](
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        kahan_comp if kahan_comp is not None else param,
-        n,
-        *args.scalars,
-        args.keys[0],
-        args.keys[1],
-        args.keys[2],
-        index_offset,
-        ROUNDING=_ROUNDING_CODES[args.rounding],
-        DECOUPLED=args.decoupled,
-        BLOCK=BLOCK_SIZE,
-        num_warps=NUM_WARPS,
-        # No fused multiply-add: each product rounded on its own, exactly as the PyTorch and CPU paths do.
-        enable_fp_fusion=False,
-    )
+    # Launch on the parameter's GPU, not the current one (a multi-GPU process may have another one current).
+    with torch.cuda.device(param.device) if param.is_cuda else nullcontext():
+        _adamw_kernel[grid](
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            kahan_comp if kahan_comp is not None else param,
+            n,
+            *args.scalars,
+            args.keys[0],
+            args.keys[1],
+            args.keys[2],
+            index_offset,
+            ROUNDING=_ROUNDING_CODES[args.rounding],
+            DECOUPLED=args.decoupled,
+            BLOCK=BLOCK_SIZE,
+            num_warps=NUM_WARPS,
+            # No fused multiply-add: each product rounded on its own, exactly as the PyTorch and CPU paths do.
+            enable_fp_fusion=False,
+        )
 
 
 __all__ = ["BLOCK_SIZE", "adamw_update_triton_"]

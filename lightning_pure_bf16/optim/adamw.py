@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
@@ -45,6 +47,18 @@ _BUFFER_KEYS = ("exp_avg", "exp_avg_sq", "kahan_comp")
 # torch.optim options this optimizer does not implement, with the value that means "off".
 _UNSUPPORTED_OFF: dict[str, Any] = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _STATE_EXTRA_KEY = "pure_bf16"
+# Attributes a copy or an unpickled optimizer keeps, besides torch's defaults, state and param groups.
+_COPIED_ATTRIBUTES = (
+    "seed",
+    "backend",
+    "chunk_size",
+    "skipped_steps",
+    "check_nonfinite",
+    "state_storage",
+    "state_chunk_size",
+    "_next_stream",
+    "_closed",
+)
 
 
 def default_seed() -> int:
@@ -55,6 +69,23 @@ def default_seed() -> int:
     """
     s = torch.initial_seed()
     return (mix32(s & 0xFFFFFFFF) << 32) | mix32((s >> 32) ^ 0x5BD1E995)
+
+
+# How many optimizers this process made with ``seed=None``, per ``torch.initial_seed()``: the n-th gets a seed of its
+# own, so optimizers built side by side (one per parameter, say) never draw the same rounding noise.
+_DEFAULT_SEED_USES: dict[int, int] = {}
+_DEFAULT_SEED_LOCK = threading.Lock()
+
+
+def _next_default_seed() -> int:
+    with _DEFAULT_SEED_LOCK:
+        initial = torch.initial_seed()
+        n = _DEFAULT_SEED_USES.get(initial, 0)
+        _DEFAULT_SEED_USES[initial] = n + 1
+    seed = default_seed()
+    if n == 0:
+        return seed
+    return (mix32((seed & 0xFFFFFFFF) ^ mix32(n)) << 32) | mix32((seed >> 32) ^ mix32(n ^ 0x9E3779B9))
 
 
 def _triton_update() -> Callable[..., None]:
@@ -89,8 +120,10 @@ class AdamW(Optimizer):
             both moments stochastically; ``"kahan"`` keeps the part of the parameter update lost to rounding in a bf16
             compensation buffer (+2 bytes/param) and rounds the moments stochastically; ``"nearest"`` rounds
             everything to nearest-even, as other pure-bf16 optimizers do (small updates vanish).
-        seed: seed of the counter-based rounding noise (default: ``None``, derived from ``torch.initial_seed()``).
-            Saved in ``state_dict()``.
+        seed: seed of the counter-based rounding noise, saved in ``state_dict()`` (default: ``None``: derived from
+            ``torch.initial_seed()`` and from how many optimizers this process made before with ``seed=None``, so a
+            script that seeds torch draws the same noise on every run, and no two optimizers draw the same noise).
+            Two optimizers given the same explicit seed draw the same noise for their n-th tensors.
         backend: ``"triton"`` (one fused kernel per tensor, CUDA), ``"cpu"`` (one fused C++ loop per tensor, CPU,
             compiled on first use), ``"torch"`` (chunked PyTorch, any device) or ``"auto"``: Triton for CUDA tensors
             when it imports, the fused loop for CPU tensors when it compiles, else PyTorch (default: ``"auto"``). All
@@ -190,7 +223,7 @@ class AdamW(Optimizer):
             "rounding": rounding,
             "decoupled_weight_decay": self._decoupled_default,
         }
-        self.seed = default_seed() if seed is None else seed
+        self.seed = _next_default_seed() if seed is None else seed
         self.backend = backend
         self.chunk_size = chunk_size
         self.skipped_steps = 0
@@ -200,11 +233,20 @@ class AdamW(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group after checking its hyperparameters and that its parameters are bf16 or float32."""
+        """Add a group (as ``torch.optim``: parameters, a generator of them, or ``(name, parameter)`` pairs) after
+        checking its hyperparameters and that its parameters are bf16 or float32."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if not isinstance(params, (torch.Tensor, set)):
+            # Listed once, here, and stored back as torch does: a generator read by the checks below would otherwise
+            # reach torch empty, and the group would silently train nothing.
+            params = param_group["params"] = list(params)
+        elif isinstance(params, torch.Tensor):
+            params = [params]
         for p in params:
-            if p.dtype not in (torch.bfloat16, torch.float32):
+            p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # a named parameter
+            if isinstance(p, torch.Tensor) and p.dtype not in (torch.bfloat16, torch.float32):
                 raise TypeError(
                     f"{type(self).__name__} supports bfloat16 and float32 parameters, got a {p.dtype} parameter of"
                     f" shape {tuple(p.shape)}. Convert the model with `model.to(torch.bfloat16)`."
@@ -218,6 +260,7 @@ class AdamW(Optimizer):
             merged["weight_decay"],
             merged["rounding"],
         )
+        # torch checks the rest (sets, non-tensors, names on some parameters only, a parameter in two groups).
         super().add_param_group(param_group)
 
     @property
@@ -266,15 +309,27 @@ class AdamW(Optimizer):
         """Count a step that a caller skipped because of non-finite gradients (nothing else changes)."""
         self.skipped_steps += 1
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One optimizer step; skipped entirely (no buffer or counter changes) when any gradient is inf/NaN."""
+        """One optimizer step; skipped entirely (no buffer or counter changes) when any gradient is inf/NaN.
+
+        Under ``torch.compile`` the step runs eagerly (it is one fused kernel per tensor already), so it draws the
+        same rounding noise as without compiling.
+        """
         if self._closed:
             raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Validate everything first, so a bad gradient or device fails before any buffer or counter changes.
+        plan = [
+            (p, group, self._pick_backend(p))
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         if self.check_nonfinite:
             flag = self.nonfinite_grads()
             if self.nonfinite_reduce is not None:
@@ -283,13 +338,6 @@ class AdamW(Optimizer):
                 self.record_skipped_step()
                 return loss
 
-        # Validate everything first, so a bad gradient or device fails before any buffer or counter changes.
-        plan = [
-            (p, group, self._pick_backend(p))
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
         if self._store is not None:
             # All files of this step exist (created together, after one free-space check) and are intact before
             # any buffer changes.
@@ -412,7 +460,10 @@ class AdamW(Optimizer):
     def _pick_backend(self, p: torch.Tensor) -> str:
         grad = p.grad
         if grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients.")
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (a parameter of shape {tuple(p.shape)} has"
+                " one): use dense gradients (`nn.Embedding(..., sparse=False)`) or `torch.optim.SparseAdam`."
+            )
         if grad.shape != p.shape:
             raise RuntimeError(f"Gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(p.shape)}.")
         if p.dtype != torch.bfloat16 or self.backend == "torch":
@@ -443,6 +494,42 @@ class AdamW(Optimizer):
             return "cpu"
         return "torch"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy``, ``pickle`` and ``torch.save(optimizer)`` keep: torch's state plus the seed, the
+        counters and the options, so a copy continues bit for bit like the original. ``nonfinite_reduce`` is left out
+        (like torch's hooks: it is bound to a process group); a copy checks its own gradients until it is set again.
+        With ``state_storage="mmap"`` the moments travel as tensors and the copy writes them to state files of its
+        own (under the same ``state_dir``); the original's files are never touched."""
+        if self._store is not None and self._closed:
+            raise RuntimeError(
+                f"This {type(self).__name__} was closed and its state files removed: there are no moments to copy."
+            )
+        state = super().__getstate__()
+        state.update({k: getattr(self, k) for k in _COPIED_ATTRIBUTES})
+        if self._store is not None:
+            state["_state_root"] = os.fspath(self._store.root)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "seed" not in state:
+            # torch's load_state_dict sets the state and param groups through __setstate__: not a copy.
+            super().__setstate__(state)
+            return
+        state = dict(state)
+        root = state.pop("_state_root", None)
+        super().__setstate__(state)
+        self.nonfinite_reduce = None
+        self._streamers = {}
+        self._store = None
+        if root is None:
+            return
+        # The copied moments are plain tensors now; they move into files of this copy's own.
+        who = f"{type(self).__name__}(state_storage='mmap', state_dir={root!r}) (a copy)"
+        self._store = MmapStateStore(check_state_dir(root, who=who), who=who)
+        self._finalizer = weakref.finalize(self, _close_storage, self._store, self._streamers)
+        saved = {p: {k: st.pop(k) for k in _BUFFER_KEYS if k in st} for p, st in self.state.items()}
+        self._load_buffers_into_files(saved)
+
     def state_dict(self) -> dict[str, Any]:
         """The torch state dict plus the rounding seed, the stream counter and the skipped-step count."""
         if self._closed and self._store is not None:
@@ -462,32 +549,94 @@ class AdamW(Optimizer):
         """Load a state dict from :meth:`state_dict`; restores the seed, so the run continues bit for bit.
 
         States saved with either ``state_storage`` load into either: with ``"mmap"`` the saved moments are copied
-        into fresh state files (checked against the parameters first) instead of being moved to the device.
+        into fresh state files (checked against the parameters first) instead of being moved to the device. A state
+        dict of ``torch.optim.AdamW``/``Adam`` loads too: its moments are rounded to the parameters' dtype, each
+        tensor gets a fresh noise stream, and this optimizer's seed and ``rounding`` stay.
+
+        Load-state-dict pre-hooks see the whole state dict; post-hooks see the restored seed and counters.
         """
-        state_dict = dict(state_dict)
-        extra = state_dict.pop(_STATE_EXTRA_KEY, None)
-        if extra is None:
+        loaded: dict[str, Any] = {}
+
+        # Runs after the user's pre-hooks (it is registered last), on the state dict they leave.
+        def unpack(_: Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+            sd = dict(sd)
+            extra = sd.pop(_STATE_EXTRA_KEY, None)
+            if extra is None:
+                sd = self._from_torch_state_dict(sd)
+            loaded["extra"] = extra
+            if self._store is not None:
+                loaded["buffers"] = self._check_saved_buffers(sd)
+                sd["state"] = {
+                    index: {k: v for k, v in st.items() if k not in _BUFFER_KEYS} for index, st in sd["state"].items()
+                }
+            return sd
+
+        # Runs before the user's post-hooks (it is prepended).
+        def restore(_: Optimizer) -> None:
+            extra = loaded["extra"]
+            if extra is not None:
+                self.seed = int(extra["seed"])
+                self.skipped_steps = int(extra["skipped_steps"])
+                self._next_stream = int(extra["next_stream"])
+            for state in self.state.values():
+                if "step" in state:
+                    # torch may cast or move "step"; keep it an exact int64 CPU counter.
+                    state["step"] = torch.as_tensor(state["step"]).detach().to("cpu", torch.int64).reshape(())
+                    if "stream" not in state:  # loaded from torch.optim
+                        state["stream"] = self._next_stream
+                        self._next_stream += 1
+            if self._store is not None:
+                self._load_buffers_into_files(loaded["buffers"])
+
+        pre = self.register_load_state_dict_pre_hook(unpack)
+        post = self.register_load_state_dict_post_hook(restore, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _from_torch_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """A ``torch.optim.AdamW``/``Adam`` state dict made loadable: this optimizer's group options with the saved
+        hyperparameters (checked first, before anything changes)."""
+        name = type(self).__name__
+        saved_groups = sd.get("param_groups")
+        states = sd.get("state")
+        if not isinstance(saved_groups, list) or not isinstance(states, dict):
             raise KeyError(
-                f"This state dict has no {_STATE_EXTRA_KEY!r} entry: it was not saved by a lightning_pure_bf16"
-                " optimizer, so its rounding seed and counters are unknown."
+                f"{name}.load_state_dict: this is not an optimizer state dict (no 'state' and 'param_groups')."
             )
-        saved_buffers: dict[Any, dict[str, torch.Tensor]] = {}
-        if self._store is not None:
-            saved_buffers = self._check_saved_buffers(state_dict)
-            state_dict["state"] = {
-                index: {k: v for k, v in st.items() if k not in _BUFFER_KEYS}
-                for index, st in state_dict["state"].items()
-            }
-        super().load_state_dict(state_dict)
-        self.seed = int(extra["seed"])
-        self.skipped_steps = int(extra["skipped_steps"])
-        self._next_stream = int(extra["next_stream"])
-        for state in self.state.values():
-            if "step" in state:
-                # torch may cast or move "step"; keep it an exact int64 CPU counter.
-                state["step"] = torch.as_tensor(state["step"]).detach().to("cpu", torch.int64).reshape(())
-        if self._store is not None:
-            self._load_buffers_into_files(saved_buffers)
+        keys = {k for st in states.values() for k in st}
+        if not keys <= {"step", "exp_avg", "exp_avg_sq"} or any(
+            g.get(option, off) != off for g in saved_groups for option, off in _UNSUPPORTED_OFF.items()
+        ):
+            raise KeyError(
+                f"{name}.load_state_dict: this state dict has no {_STATE_EXTRA_KEY!r} entry and is not a plain"
+                f" torch.optim.AdamW/Adam one (state keys {sorted(keys)}; amsgrad, maximize, capturable and"
+                " differentiable must be off), so it cannot be converted."
+            )
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        groups = []
+        for ours, saved in zip(self.param_groups, saved_groups):
+            decoupled = saved.get("decoupled_weight_decay", ours["decoupled_weight_decay"])
+            if decoupled != ours["decoupled_weight_decay"] and saved.get("weight_decay", 0.0) != 0.0:
+                kind = "decoupled (AdamW)" if decoupled else "L2 (Adam)"
+                raise ValueError(
+                    f"{name}.load_state_dict: the saved optimizer used {kind} weight decay, this one does not. Load"
+                    f" it into lightning_pure_bf16.{'AdamW' if decoupled else 'Adam'} instead."
+                )
+            group = {k: v for k, v in ours.items() if k not in ("params", "param_names")}
+            group.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay") if k in saved})
+            group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
+            if "initial_lr" in saved:  # set by an LR scheduler
+                group["initial_lr"] = saved["initial_lr"]
+            groups.append(group)
+        rank_zero_info(
+            f"{name}.load_state_dict: converted a torch.optim state dict ({len(states)} tensor(s) with moments): moments"
+            f" rounded to the parameters' dtype, rounding seed {self.seed}, rounding={self.param_groups[0]['rounding']!r}."
+        )
+        return {**sd, "param_groups": groups}
 
     def _check_saved_buffers(self, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""

@@ -26,6 +26,8 @@ class Tolerance:
 # Tolerances of the optimizer math against a float64 torch.optim reference, per parameter dtype.
 TOLERANCES = {
     torch.float32: Tolerance(rtol=1e-5, atol=1e-6),
-    # A few bf16 ulps (2**-8 relative) after several rounded steps.
-    torch.bfloat16: Tolerance(rtol=2e-2, atol=2e-3),
+    # A few bf16 ulps (2**-8 relative) after several rounded steps: stochastic rounding moves a weight by up to one
+    # ulp a step, so after 5 steps of lr 3e-2 the largest of ~3000 deviations reaches 2e-2 for a quarter of seeds
+    # and 2.4e-2 at most (60 seeds tried).
+    torch.bfloat16: Tolerance(rtol=3e-2, atol=2e-3),
 }
