@@ -77,12 +77,16 @@ def test_named_parameters_keep_their_names_like_torch():
     model = _model()
     ours = AdamW(model.named_parameters())
     theirs = torch.optim.AdamW(_model(torch.float32).named_parameters())
-    assert ours.param_groups[0]["param_names"] == theirs.param_groups[0]["param_names"] == [
-        "0.weight",
-        "0.bias",
-        "1.weight",
-        "1.bias",
-    ]
+    assert (
+        ours.param_groups[0]["param_names"]
+        == theirs.param_groups[0]["param_names"]
+        == [
+            "0.weight",
+            "0.bias",
+            "1.weight",
+            "1.bias",
+        ]
+    )
     assert [g["param_names"] for g in ours.state_dict()["param_groups"]] == [
         g["param_names"] for g in theirs.state_dict()["param_groups"]
     ]
@@ -134,8 +138,11 @@ def test_a_copy_after_some_steps_continues_bit_for_bit(how, rounding):
         _step(params2, opt2, t)
     for a, b in zip(params, params2):
         assert torch.equal(_bits(a), _bits(b))
-        assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(opt.state[a].values(), opt2.state[b].values())
-                   if isinstance(x, torch.Tensor))
+        assert all(
+            torch.equal(_bits(x), _bits(y))
+            for x, y in zip(opt.state[a].values(), opt2.state[b].values())
+            if isinstance(x, torch.Tensor)
+        )
 
 
 def test_a_copy_checks_its_own_gradients_until_given_a_reduce():
@@ -340,8 +347,9 @@ def test_triton_launch_checks_every_buffer():
     p = torch.zeros(64, dtype=torch.bfloat16, device=device)
     args = UpdateArgs(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, "kahan", (1, 2, 3))
     with pytest.raises(ValueError, match="`kahan_comp` is not"):
-        adamw_update_triton_(p, p.clone(), p.clone(), p.clone(), torch.zeros(128, dtype=p.dtype, device=device)[::2],
-                             args)
+        adamw_update_triton_(
+            p, p.clone(), p.clone(), p.clone(), torch.zeros(128, dtype=p.dtype, device=device)[::2], args
+        )
     with pytest.raises(ValueError, match="`exp_avg` has 32 elements"):
         adamw_update_triton_(p, p.clone(), p[:32].clone(), p.clone(), p.clone(), args)
     with pytest.raises(ValueError, match="needs bfloat16 `exp_avg_sq`"):

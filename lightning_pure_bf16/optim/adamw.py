@@ -633,8 +633,9 @@ class AdamW(Optimizer):
                 group["initial_lr"] = saved["initial_lr"]
             groups.append(group)
         rank_zero_info(
-            f"{name}.load_state_dict: converted a torch.optim state dict ({len(states)} tensor(s) with moments): moments"
-            f" rounded to the parameters' dtype, rounding seed {self.seed}, rounding={self.param_groups[0]['rounding']!r}."
+            f"{name}.load_state_dict: converted a torch.optim state dict ({len(states)} tensor(s) with moments):"
+            f" moments rounded to the parameters' dtype, rounding seed {self.seed},"
+            f" rounding={self.param_groups[0]['rounding']!r}."
         )
         return {**sd, "param_groups": groups}
 
