@@ -46,8 +46,12 @@ def _adam_steps_fp64(lr: float, steps: int) -> float:
 
 def drift_sweep(
     mode: str, rounding: str, *, elements: int = 4096, steps: int = 1000, backend: str = "cpu"
-) -> list[tuple[float, float, float, float]]:
-    """(ratio, magnitude, mean error / mean drift, tolerance / mean drift) per group; error > 0: moved too little.
+) -> list[tuple[float, float, float, float, float]]:
+    """Per (ratio, magnitude) group: the mean error of the final weights over the group (> 0: moved too little), the
+    tolerance of that mean, and the root-mean-square error of a single weight, each as a fraction of the mean drift.
+
+    With Kahan, the error is that of the value it carries, weight + compensation; the weight itself is that value
+    rounded to nearest, so its own error is at most half a bf16 spacing more.
 
     Args:
         mode: ``"decay"`` (weight decay alone) or ``"gradient"`` (a constant unit gradient alone).
@@ -94,7 +98,8 @@ def drift_sweep(
         else:
             sigma = math.sqrt((steps * (drift / steps) * spacing).sum().item()) / elements
         tolerance = SIGMAS * sigma / drift.mean().item() + (MOMENT_BIAS if mode == "gradient" else 0.0)
-        out.append((ratio, magnitude, error / drift.mean().item(), tolerance))
+        rms = ((p.detach().double() - reference) ** 2).mean().sqrt().item()  # the weight the model uses
+        out.append((ratio, magnitude, error / drift.mean().item(), tolerance, rms / drift.mean().item()))
     return out
 
 
