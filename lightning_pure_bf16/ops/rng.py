@@ -64,6 +64,13 @@ def stream_key(seed: int, param_index: int, step: int, buffer: int) -> int:
     return k & KEY_MASK
 
 
+def derive_seed(seed: int, salt: int) -> int:
+    """A 64-bit seed derived from ``seed`` and ``salt`` (say, the n-th optimizer of a process), independent of both."""
+    lo = mix32((seed & MASK32) ^ mix32(salt & MASK32))
+    hi = mix32(((seed >> 32) & MASK32) ^ mix32((salt ^ 0x9E3779B9) & MASK32))
+    return (hi << 32) | lo
+
+
 def block_key(key: int, start: int) -> int:
     """The per-block key for a block starting at element ``start`` (the high 32 bits of the index folded in)."""
     return mix32(key ^ ((start >> 32) & MASK32))
@@ -109,4 +116,4 @@ def random_bits(key: int, start: int, local_index: torch.Tensor) -> torch.Tensor
     return _mix32_int32_(local_index ^ lo)
 
 
-__all__ = ["Buffer", "block_key", "element_bits", "mix32", "random_bits", "stream_key"]
+__all__ = ["Buffer", "block_key", "derive_seed", "element_bits", "mix32", "random_bits", "stream_key"]

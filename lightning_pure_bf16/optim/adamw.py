@@ -26,7 +26,7 @@ from lightning_pure_bf16.ops.adamw_cpu import (
     fused_cpu_available,
 )
 from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
-from lightning_pure_bf16.ops.rng import Buffer, mix32, stream_key
+from lightning_pure_bf16.ops.rng import Buffer, derive_seed, mix32, stream_key
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
     MmapStateStore,
@@ -82,10 +82,8 @@ def _next_default_seed() -> int:
         initial = torch.initial_seed()
         n = _DEFAULT_SEED_USES.get(initial, 0)
         _DEFAULT_SEED_USES[initial] = n + 1
-    seed = default_seed()
-    if n == 0:
-        return seed
-    return (mix32((seed & 0xFFFFFFFF) ^ mix32(n)) << 32) | mix32((seed >> 32) ^ mix32(n ^ 0x9E3779B9))
+    # The first keeps default_seed() itself.
+    return default_seed() if n == 0 else derive_seed(default_seed(), n)
 
 
 def _triton_update() -> Callable[..., None]:
