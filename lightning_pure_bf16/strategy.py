@@ -74,6 +74,25 @@ def _use_cpu_deepspeed_accelerator_if_no_cuda() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+def _use_deepspeed_accelerator(device_type: str) -> None:
+    """Point DeepSpeed's accelerator at the Trainer's device type.
+
+    DeepSpeed picks its accelerator from what the machine has (CUDA whenever a GPU exists), the Trainer from its
+    ``accelerator`` argument: a CPU fit on a GPU host needs DeepSpeed's CPU accelerator, chosen here before any engine
+    exists. ``DS_ACCELERATOR`` is set too, for the processes Lightning launches next.
+    """
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() == device_type:
+        return
+    if device_type == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as accelerator_cls
+    else:
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as accelerator_cls
+    os.environ["DS_ACCELERATOR"] = device_type
+    set_accelerator(accelerator_cls())
+
+
 def _rank_seed(seed: int, rank: int) -> int:
     """The rounding seed of one data-parallel rank: each rank's partition gets an independent noise stream."""
     return (mix32((seed ^ mix32(rank + 0x9E3779B9)) & 0xFFFFFFFF) << 32) | mix32((seed >> 32) ^ rank)
@@ -296,15 +315,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 f"`Trainer(strategy='{self.strategy_name}')` runs on CUDA GPUs or the CPU, but"
                 f" `{type(self.accelerator).__name__}` is used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
             )
+        _use_deepspeed_accelerator("cpu" if isinstance(self.accelerator, CPUAccelerator) else "cuda")
         if isinstance(self.accelerator, CPUAccelerator):
-            from deepspeed.accelerator import get_accelerator
-
-            if get_accelerator().device_name() != "cpu":
-                raise RuntimeError(
-                    f"`Trainer(strategy='{self.strategy_name}', accelerator='cpu')` needs DeepSpeed's CPU accelerator,"
-                    f" but DeepSpeed already chose '{get_accelerator().device_name()}'. Set `DS_ACCELERATOR=cpu` in the"
-                    " environment before starting Python."
-                )
             for key in self._default_buckets:
                 self.config["zero_optimization"][key] = _CPU_BUCKET
         # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.

@@ -168,6 +168,12 @@ def test_project_optimizer_passed_directly_is_used(tmp_path):
     assert r["optimizer_class"] == "AdamW" and r["rounding"] == ["kahan", "kahan"]
 
 
+def test_cpu_fit_on_a_gpu_host_uses_deepspeeds_cpu_accelerator(tmp_path):
+    # On a GPU host DeepSpeed picks its CUDA accelerator; `accelerator="cpu"` must still train on the CPU with gloo.
+    fit(tmp_path, devices=1, steps=2, deepspeed_picked_cuda=True)
+    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["global_step"] == 2
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])
 def test_other_precision_flags_are_refused(precision):
     with pytest.raises(ValueError, match=rf"precision='{precision}'\)` is not supported.*precision='bf16-true'"):

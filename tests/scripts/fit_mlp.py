@@ -124,6 +124,12 @@ def main(out: Path, opts: dict) -> None:
 
         free = opts["fake_free_bytes"]
         mmap_states.shutil.disk_usage = lambda _: shutil._ntuple_diskusage(10 * free + 1, 9 * free + 1, free)
+    if opts.get("deepspeed_picked_cuda"):
+        # What DeepSpeed picks by itself on a machine with a GPU, whatever the Trainer's accelerator.
+        from deepspeed.accelerator import set_accelerator
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+        set_accelerator(CUDA_Accelerator())
     seed_everything(opts.get("seed", 1234), workers=True)
     model = MLP(opts)
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
