@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pure_bf16._deepspeed_fixes import alias_bf16_master_partitions
+from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.checkpoint import TAG as CHECKPOINT_TAG
 from lightning_pure_bf16.checkpoint import (
     CheckpointError,
@@ -185,6 +186,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 "`DeepSpeedPureBF16Strategy(zero_optimization=False)` is not supported: it needs ZeRO stage 3."
             )
         _use_cpu_deepspeed_accelerator_if_no_cuda()
+        silence_known_warnings()
         super().__init__(
             accelerator=accelerator,
             stage=3,

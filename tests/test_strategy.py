@@ -174,6 +174,19 @@ def test_cpu_fit_on_a_gpu_host_uses_deepspeeds_cpu_accelerator(tmp_path):
     assert torch.load(tmp_path / "rank0.pt", weights_only=False)["global_step"] == 2
 
 
+def test_known_third_party_warnings_are_silenced_and_a_users_own_still_shows(tmp_path):
+    from lightning_pure_bf16._warnings import KNOWN_LOG_RECORDS
+
+    proc = run_script(
+        "fit_mlp.py", tmp_path, json.dumps({"devices": 2, "steps": 3, "user_warning": True}), PYTHONWARNINGS="default"
+    )
+    output = proc.stdout + proc.stderr
+    for known in ("all_gather_into_tensor` is deprecated", "reduce_scatter_tensor` is deprecated", "LeafSpec"):
+        assert known not in output
+    assert all(start not in output for _, start in KNOWN_LOG_RECORDS)
+    assert "a user's own warning at step 0" in output
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])
 def test_other_precision_flags_are_refused(precision):
     with pytest.raises(ValueError, match=rf"precision='{precision}'\)` is not supported.*precision='bf16-true'"):

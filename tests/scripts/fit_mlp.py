@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -60,6 +61,8 @@ class MLP(LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).float(), y.float())
+        if self.opts.get("user_warning"):
+            warnings.warn(f"a user's own warning at step {self.global_step}", UserWarning, stacklevel=1)
         nan_rank = self.opts.get("nan_rank")
         if nan_rank is not None and self.global_rank == nan_rank and self.global_step == self.opts.get("nan_step", 2):
             loss = loss * float("nan")
