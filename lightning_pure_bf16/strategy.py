@@ -44,6 +44,7 @@ from lightning_pure_bf16.checkpoint import (
 )
 from lightning_pure_bf16.config import pure_bf16_deepspeed_config
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
+from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
 from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
 from lightning_pure_bf16.ops.rng import mix32
 from lightning_pure_bf16.optim.adamw import _BACKENDS, _STATE_STORAGES, Adam, AdamW
@@ -323,6 +324,20 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 self.config["zero_optimization"][key] = _CPU_BUCKET
         # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
         DDPStrategy.setup_environment(self)
+        if isinstance(self.accelerator, CPUAccelerator) and self.backend in ("auto", "cpu"):
+            self._prepare_cpu_loop()
+
+    def _prepare_cpu_loop(self) -> None:
+        # The fused C++ loop is compiled once per machine (then loaded from torch's extension cache): local rank 0
+        # compiles while the other ranks wait here, instead of every rank stalling inside the first optimizer step.
+        rank_zero_info(
+            f"{self.strategy_name}: preparing the fused CPU optimizer loop (compiled once per machine, then cached;"
+            " `python -m lightning_pure_bf16.build` does it ahead of time)."
+        )
+        if self.local_rank == 0:
+            fused_cpu_available()
+        self.barrier("pure_bf16_cpu_loop")
+        fused_cpu_available()
 
     @override
     def setup_distributed(self) -> None:

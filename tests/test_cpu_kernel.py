@@ -87,3 +87,23 @@ def test_fused_nonfinite_check_accepts_extremes():
     g = torch.tensor([finfo.max, -finfo.max, finfo.tiny, 0.0, -0.0, 1e-40], dtype=torch.bfloat16)
     assert not adamw_cpu.any_nonfinite_cpu(g)
     assert not adamw_cpu.any_nonfinite_cpu(torch.empty(0, dtype=torch.bfloat16))
+
+
+def test_the_loop_is_ready_when_the_optimizer_is_made_not_at_its_first_step(monkeypatch):
+    monkeypatch.setattr(adamw_cpu, "_extension", None)
+    AdamW([torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)])
+    assert adamw_cpu._extension is not None
+    monkeypatch.setattr(adamw_cpu, "_extension", None)
+    AdamW([torch.zeros(4, requires_grad=True)])  # float32 parameters never use it
+    assert adamw_cpu._extension is None
+
+
+def test_build_command_compiles_ahead_of_time():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_pure_bf16.build"], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fused CPU optimizer loop ready" in done.stdout

@@ -168,6 +168,10 @@ def test_project_optimizer_passed_directly_is_used(tmp_path):
     assert r["optimizer_class"] == "AdamW" and r["rounding"] == ["kahan", "kahan"]
 
 
+def test_cpu_loop_is_ready_before_the_first_step(default_run):
+    assert all(r["cpu_loop_ready_at_first_step"] for r in default_run)
+
+
 def test_cpu_fit_on_a_gpu_host_uses_deepspeeds_cpu_accelerator(tmp_path):
     # On a GPU host DeepSpeed picks its CUDA accelerator; `accelerator="cpu"` must still train on the CPU with gloo.
     fit(tmp_path, devices=1, steps=2, deepspeed_picked_cuda=True)

@@ -123,9 +123,11 @@ class AdamW(Optimizer):
             script that seeds torch draws the same noise on every run, and no two optimizers draw the same noise).
             Two optimizers given the same explicit seed draw the same noise for their n-th tensors.
         backend: ``"triton"`` (one fused kernel per tensor, CUDA), ``"cpu"`` (one fused C++ loop per tensor, CPU,
-            compiled on first use), ``"torch"`` (chunked PyTorch, any device) or ``"auto"``: Triton for CUDA tensors
-            when it imports, the fused loop for CPU tensors when it compiles, else PyTorch (default: ``"auto"``). All
-            give the same results bit for bit on the CPU; float32 parameters always take the PyTorch path.
+            compiled once per machine when the first optimizer with bf16 CPU parameters is made, or ahead of time by
+            ``python -m lightning_pure_bf16.build``), ``"torch"`` (chunked PyTorch, any device) or ``"auto"``: Triton
+            for CUDA tensors when it imports, the fused loop for CPU tensors when it compiles, else PyTorch (default:
+            ``"auto"``). All give the same results bit for bit on the CPU; float32 parameters always take the PyTorch
+            path.
         chunk_size: elements per chunk of the PyTorch path, a power of two (default: ``2**18``).
         state_storage: where the moments (and the Kahan buffer) live: ``"memory"``, next to the parameter, or
             ``"mmap"``, in one memory-mapped file per parameter tensor under ``state_dir``, streamed through the
@@ -229,6 +231,11 @@ class AdamW(Optimizer):
         self.nonfinite_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._next_stream = 0
         super().__init__(params, defaults)
+        if backend in ("auto", "cpu") and any(
+            p.device.type == "cpu" and p.dtype == torch.bfloat16 for g in self.param_groups for p in g["params"]
+        ):
+            # Compiled (or loaded from torch's extension cache) now, not inside the first step.
+            fused_cpu_available()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as ``torch.optim``: parameters, a generator of them, or ``(name, parameter)`` pairs) after

@@ -29,6 +29,12 @@ class CaptureOptimizerState(Callback):
     def __init__(self) -> None:
         self.captured: dict = {}
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if "cpu_loop_ready_at_first_step" not in self.captured:
+            import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+
+            self.captured["cpu_loop_ready_at_first_step"] = adamw_cpu._extension is not None
+
     def on_train_end(self, trainer, pl_module) -> None:
         strat = trainer.strategy
         opt = strat.pure_bf16_optimizer
@@ -207,6 +213,7 @@ def main(out: Path, opts: dict) -> None:
         "frozen_requires_grad": [p.requires_grad for p in model.net[0].parameters()],
     }
     result["zero_buffers"] = capture.captured["zero_buffers"]
+    result["cpu_loop_ready_at_first_step"] = capture.captured.get("cpu_loop_ready_at_first_step")
     result["gradient_clipping"] = strat.deepspeed_engine.gradient_clipping()
     result["world_size"] = trainer.world_size
     result["persistent_numel"] = sum(p.numel() for p in zero.parameter_offload.persistent_parameters)
