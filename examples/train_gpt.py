@@ -16,7 +16,7 @@ import torch
 from gpt import GPTModule, StdlibBytes, TrainingReport
 from lightning.pytorch import Trainer, seed_everything
 
-from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision
 
 
 def main() -> None:
@@ -31,6 +31,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--state-dir", default=None, help="keep the optimizer states in memory-mapped files there")
+    parser.add_argument(
+        "--cpu-matmul",
+        choices=("auto", "bf16", "float32"),
+        default="auto",
+        help="CPU only: matrix products in float32 from the bf16 values (auto: where the CPU has no native bf16)",
+    )
     args = parser.parse_args()
 
     seed_everything(args.seed)
@@ -46,6 +52,7 @@ def main() -> None:
             state_storage="mmap" if args.state_dir else "memory",
             state_dir=args.state_dir,
         ),
+        plugins=[PureBF16Precision(cpu_matmul=args.cpu_matmul)],
         max_steps=args.max_steps,
         val_check_interval=max(1, args.max_steps // 3),
         limit_val_batches=16 if on_gpu else 4,

@@ -292,8 +292,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @property
     @override
     def precision_plugin(self) -> PureBF16Precision:
-        plugin = self._precision_plugin
-        return plugin if plugin is not None else PureBF16Precision()
+        if self._precision_plugin is None:
+            self._precision_plugin = PureBF16Precision()
+        return self._precision_plugin
 
     @precision_plugin.setter
     @override
@@ -326,6 +327,14 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
         if isinstance(self.accelerator, CPUAccelerator) and self.backend in ("auto", "cpu"):
             self._prepare_cpu_loop()
+        device_type = "cpu" if isinstance(self.accelerator, CPUAccelerator) else "cuda"
+        reason = self.precision_plugin.use_float32_matmul(device_type)
+        if reason is not None:
+            rank_zero_info(
+                f"{self.strategy_name}: {reason}: matrix products are computed in float32 from the bf16 values"
+                " (storage, gradients and optimizer states stay bf16; `PureBF16Precision(cpu_matmul='bf16')` keeps"
+                " them in bf16)."
+            )
 
     def _prepare_cpu_loop(self) -> None:
         # The fused C++ loop is compiled once per machine (then loaded from torch's extension cache): local rank 0

@@ -150,7 +150,9 @@ def main(out: Path, opts: dict) -> None:
         devices=opts.get("devices", 2),
         num_nodes=opts.get("num_nodes", 1),
         strategy=strategy,
-        precision=opts.get("precision", "32-true"),
+        # A precision plugin and a precision flag exclude each other.
+        precision=None if "cpu_matmul" in opts else opts.get("precision", "32-true"),
+        plugins=[lightning_pure_bf16.PureBF16Precision(cpu_matmul=opts["cpu_matmul"])] if "cpu_matmul" in opts else [],
         max_steps=opts.get("steps", 6),
         limit_val_batches=2,
         gradient_clip_val=opts.get("clip"),

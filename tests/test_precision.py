@@ -1,0 +1,81 @@
+"""PureBF16Precision: matrix products in float32 from bf16 values on CPUs without native bf16 (bf16 storage kept)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lightning_pure_bf16.precision as precision_module
+from lightning_pure_bf16 import PureBF16Precision
+from tests.strategy_runs import fit, load_ranks
+
+
+def _plugin(cpu_matmul: str, device_type: str = "cpu") -> PureBF16Precision:
+    plugin = PureBF16Precision(cpu_matmul=cpu_matmul)
+    plugin.use_float32_matmul(device_type)
+    return plugin
+
+
+def test_float32_products_equal_float32_arithmetic_rounded_to_bf16_forward_and_backward():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(48, 96, generator=g).bfloat16().requires_grad_()
+    with _plugin("float32").forward_context():
+        y = F.linear(x, w)
+        attn = F.scaled_dot_product_attention(y[None, None], y[None, None], y[None, None])
+    assert y.dtype == attn.dtype == torch.bfloat16
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y32 = F.linear(x32, w32)
+    assert torch.equal(y, y32.bfloat16())
+    y.float().square().sum().backward()
+    y32.bfloat16().float().square().sum().backward()
+    # The backward products ran in float32 too: the gradients are float32 ones rounded once, to bf16.
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, x32.grad.bfloat16())
+    assert torch.equal(w.grad, w32.grad.bfloat16())
+
+
+def test_other_functions_and_float32_tensors_pass_through():
+    a = torch.randn(8, 8)
+    with _plugin("float32").forward_context():
+        assert (a @ a).dtype == torch.float32
+        assert torch.equal(torch.relu(a.bfloat16()), torch.relu(a.bfloat16()))
+
+
+@pytest.mark.parametrize(
+    ("cpu_matmul", "device_type", "native", "expected"),
+    [
+        ("auto", "cpu", False, True),
+        ("auto", "cpu", True, False),
+        ("float32", "cpu", True, True),
+        ("bf16", "cpu", False, False),
+        ("float32", "cuda", False, False),
+        ("auto", "cuda", False, False),
+    ],
+)
+def test_when_products_run_in_float32(monkeypatch, cpu_matmul, device_type, native, expected):
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: native)
+    plugin = PureBF16Precision(cpu_matmul=cpu_matmul)
+    reason = plugin.use_float32_matmul(device_type)
+    assert plugin.float32_matmul is expected and (reason is not None) is expected
+
+
+def test_native_bf16_follows_torchs_cpu_capabilities(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_f": True})
+    assert not precision_module.cpu_has_native_bf16()
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": True})
+    assert precision_module.cpu_has_native_bf16()
+
+
+def test_bad_option_is_refused():
+    with pytest.raises(ValueError, match="cpu_matmul='fp16'"):
+        PureBF16Precision(cpu_matmul="fp16")
+
+
+def test_a_fit_with_float32_products_trains_like_bf16_ones(tmp_path):
+    proc = fit(tmp_path / "f32", devices=2, steps=4, cpu_matmul="float32")
+    assert "matrix products are computed in float32" in proc.stdout + proc.stderr
+    f32 = load_ranks(tmp_path / "f32")
+    fit(tmp_path / "bf16", devices=2, steps=4, cpu_matmul="bf16")
+    bf16 = load_ranks(tmp_path / "bf16")
+    assert f32[0]["memory_report"] == bf16[0]["memory_report"]  # the same bf16 storage
+    assert f32[0]["losses"][-1] < f32[0]["losses"][0]
+    assert f32[0]["losses"] == pytest.approx(bf16[0]["losses"], rel=2e-2)
