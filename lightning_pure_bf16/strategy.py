@@ -330,6 +330,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         device_type = "cpu" if isinstance(self.accelerator, CPUAccelerator) else "cuda"
         reason = self.precision_plugin.use_float32_matmul(device_type)
         if reason is not None:
+            # ZeRO-3's memory-efficient linear is a custom autograd function whose backward products would stay bf16;
+            # plain F.linear records the float32 casts, so its backward runs in float32 too.
+            self.config["zero_optimization"]["memory_efficient_linear"] = False
             rank_zero_info(
                 f"{self.strategy_name}: {reason}: matrix products are computed in float32 from the bf16 values"
                 " (storage, gradients and optimizer states stay bf16; `PureBF16Precision(cpu_matmul='bf16')` keeps"
