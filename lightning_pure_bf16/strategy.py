@@ -319,16 +319,12 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 f"`Trainer(strategy='{self.strategy_name}')` runs on CUDA GPUs or the CPU, but"
                 f" `{type(self.accelerator).__name__}` is used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
             )
-        _use_deepspeed_accelerator("cpu" if isinstance(self.accelerator, CPUAccelerator) else "cuda")
-        if isinstance(self.accelerator, CPUAccelerator):
+        on_cpu = isinstance(self.accelerator, CPUAccelerator)
+        _use_deepspeed_accelerator("cpu" if on_cpu else "cuda")
+        if on_cpu:
             for key in self._default_buckets:
                 self.config["zero_optimization"][key] = _CPU_BUCKET
-        # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
-        DDPStrategy.setup_environment(self)
-        if isinstance(self.accelerator, CPUAccelerator) and self.backend in ("auto", "cpu"):
-            self._prepare_cpu_loop()
-        device_type = "cpu" if isinstance(self.accelerator, CPUAccelerator) else "cuda"
-        reason = self.precision_plugin.use_float32_matmul(device_type)
+        reason = self.precision_plugin.use_float32_matmul("cpu" if on_cpu else "cuda")
         if reason is not None:
             # ZeRO-3's memory-efficient linear is a custom autograd function whose backward products would stay bf16;
             # plain F.linear records the float32 casts, so its backward runs in float32 too.
@@ -338,6 +334,10 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 " (storage, gradients and optimizer states stay bf16; `PureBF16Precision(cpu_matmul='bf16')` keeps"
                 " them in bf16)."
             )
+        # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
+        DDPStrategy.setup_environment(self)
+        if on_cpu and self.backend in ("auto", "cpu"):
+            self._prepare_cpu_loop()
 
     def _prepare_cpu_loop(self) -> None:
         # The fused C++ loop is compiled once per machine (then loaded from torch's extension cache): local rank 0
