@@ -89,23 +89,30 @@ def test_cuda_kernel_agrees_with_torch_path(shape, rounding):
     _assert_agree(_run_both(AdamW, shape, rounding, "cuda"), rounding)
 
 
-def test_kernel_compiles_for_ampere_and_hopper_without_a_gpu():
-    # Triton's compile API with a CUDA target and the ptxas in the triton wheel: a kernel that would not compile,
-    # would spill to local memory or would fuse multiply-adds (the backends would then disagree) fails here.
+def test_every_specialisation_compiles_for_ampere_and_hopper_without_a_gpu():
+    # Triton's compile API with CUDA targets and the ptxas in the triton wheel (benchmarks/kernel_resources.py, in its
+    # own process: this session imports the kernel for the interpreter). A kernel that would not compile, would
+    # spill to local memory or would fuse multiply-adds (the backends would then disagree) fails here.
     import json
     import subprocess
     import sys
     from pathlib import Path
 
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip(f"triton {triton.__version__} has no CUDA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).parent / "scripts" / "compile_triton_kernel.py"
+    script = Path(__file__).parents[1] / "benchmarks" / "kernel_resources.py"
     done = subprocess.run(
-        [sys.executable, str(script), "80", "90"], capture_output=True, text=True, env=env, timeout=600, check=False
+        [sys.executable, str(script), "--json"], capture_output=True, text=True, env=env, timeout=900, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     builds = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(builds) == 2 * 3 * 2
+    # 2 architectures x 3 roundings x 2 weight decays x 2 gradient dtypes x 2 integer widths x aligned or not.
+    assert len(builds) == 96
     for build in builds:
         assert build["cubin_bytes"] > 0 and build["fma"] == 0, build
         if build["local_bytes"] is not None:
             assert build["local_bytes"] == 0 and build["registers"] <= 128, build
+        assert (build["vector_loads"] > 0) == build["aligned"], build
