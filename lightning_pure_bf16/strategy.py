@@ -46,7 +46,7 @@ from lightning_pure_bf16.config import pure_bf16_deepspeed_config
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
 from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
 from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
-from lightning_pure_bf16.ops.rng import mix32
+from lightning_pure_bf16.ops.rng import rank_seed
 from lightning_pure_bf16.optim.adamw import _BACKENDS, _STATE_STORAGES, Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import check_state_dir, filesystem_type
 from lightning_pure_bf16.precision import PureBF16Precision
@@ -93,11 +93,6 @@ def _use_deepspeed_accelerator(device_type: str) -> None:
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as accelerator_cls
     os.environ["DS_ACCELERATOR"] = device_type
     set_accelerator(accelerator_cls())
-
-
-def _rank_seed(seed: int, rank: int) -> int:
-    """The rounding seed of one data-parallel rank: each rank's partition gets an independent noise stream."""
-    return (mix32((seed ^ mix32(rank + 0x9E3779B9)) & 0xFFFFFFFF) << 32) | mix32((seed >> 32) ^ rank)
 
 
 class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
@@ -418,7 +413,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         if scheduler_config is not None and converted is not optimizer:
             _rebind_scheduler(scheduler_config.scheduler, converted)
         base_seed = self.seed if self.seed is not None else converted.seed
-        converted.seed = _rank_seed(base_seed, self.global_rank)
+        converted.seed = rank_seed(base_seed, self.global_rank)
         if converted._store is not None:
             converted._store.label = f"rank{self.global_rank}"
         # ZeRO-3 decides on non-finite gradients for all ranks at once (its all-reduced gradient norm) before any

@@ -1,4 +1,4 @@
-"""Counter-based random bits for stochastic rounding, shared bit for bit by every backend.
+"""Counter-based random bits for stochastic rounding, shared bit for bit by every backend, and the seed mixers.
 
 The bits for one element are a pure function of ``(seed, param_index, step, buffer, element index)``: no generator
 state exists, so the Triton kernel and the PyTorch path draw the same bits, and a resumed run draws the same bits as an
@@ -71,6 +71,22 @@ def derive_seed(seed: int, salt: int) -> int:
     return (hi << 32) | lo
 
 
+def default_seed() -> int:
+    """The seed of the first optimizer a process makes with ``seed=None`` (later ones derive theirs from it with
+    :func:`derive_seed`): from ``torch.initial_seed()``, without drawing from any generator.
+
+    So ``lightning.seed_everything(s)`` or ``torch.manual_seed(s)`` makes the rounding reproducible, and the user's
+    random stream (dropout, data order) is the same as with ``torch.optim.AdamW``.
+    """
+    s = torch.initial_seed()
+    return (mix32(s & 0xFFFFFFFF) << 32) | mix32((s >> 32) ^ 0x5BD1E995)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The rounding seed of one data-parallel rank: each rank's partition gets an independent noise stream."""
+    return (mix32((seed ^ mix32(rank + 0x9E3779B9)) & 0xFFFFFFFF) << 32) | mix32((seed >> 32) ^ rank)
+
+
 def block_key(key: int, start: int) -> int:
     """The per-block key for a block starting at element ``start`` (the high 32 bits of the index folded in)."""
     return mix32(key ^ ((start >> 32) & MASK32))
@@ -116,4 +132,14 @@ def random_bits(key: int, start: int, local_index: torch.Tensor) -> torch.Tensor
     return _mix32_int32_(local_index ^ lo)
 
 
-__all__ = ["Buffer", "block_key", "derive_seed", "element_bits", "mix32", "random_bits", "stream_key"]
+__all__ = [
+    "Buffer",
+    "block_key",
+    "default_seed",
+    "derive_seed",
+    "element_bits",
+    "mix32",
+    "random_bits",
+    "rank_seed",
+    "stream_key",
+]

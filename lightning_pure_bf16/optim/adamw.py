@@ -26,7 +26,7 @@ from lightning_pure_bf16.ops.adamw_cpu import (
     fused_cpu_available,
 )
 from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
-from lightning_pure_bf16.ops.rng import Buffer, derive_seed, mix32, stream_key
+from lightning_pure_bf16.ops.rng import Buffer, default_seed, derive_seed, stream_key
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
     MmapStateStore,
@@ -59,16 +59,6 @@ _COPIED_ATTRIBUTES = (
     "_next_stream",
     "_closed",
 )
-
-
-def default_seed() -> int:
-    """The seed used when ``seed=None``: derived from ``torch.initial_seed()`` without drawing from any generator.
-
-    So ``lightning.seed_everything(s)`` or ``torch.manual_seed(s)`` makes the rounding reproducible, and the user's
-    random stream (dropout, data order) is the same as with ``torch.optim.AdamW``.
-    """
-    s = torch.initial_seed()
-    return (mix32(s & 0xFFFFFFFF) << 32) | mix32((s >> 32) ^ 0x5BD1E995)
 
 
 # How many optimizers this process made with ``seed=None``, per ``torch.initial_seed()``: the n-th gets a seed of its
