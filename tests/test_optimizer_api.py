@@ -354,3 +354,17 @@ def test_triton_launch_checks_every_buffer():
         adamw_update_triton_(p, p.clone(), p[:32].clone(), p.clone(), p.clone(), args)
     with pytest.raises(ValueError, match="needs bfloat16 `exp_avg_sq`"):
         adamw_update_triton_(p, p.clone(), p.clone(), p.float(), p.clone(), args)
+
+
+def test_a_torch_state_dict_loads_into_state_files(tmp_path):
+    params32 = list(_model(torch.float32).parameters())
+    torch_opt = torch.optim.AdamW(params32, lr=1e-2)
+    _step(params32, torch_opt, 0)
+    params = [p.detach().to(torch.bfloat16).requires_grad_() for p in params32]
+    opt = AdamW(params, state_storage="mmap", state_dir=tmp_path)
+    opt.load_state_dict(torch_opt.state_dict())
+    for p, q in zip(params, params32):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"].to(torch.bfloat16))
+    _step(params, opt, 1)
+    assert int(opt.state[params[0]]["step"]) == 2
+    opt.close()
