@@ -532,14 +532,14 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         )
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint '{checkpoint_path}'.")
-        self._skipped_seen = int(getattr(self.deepspeed_engine, "skipped_steps", 0))
+        self._skipped_seen = int(self.deepspeed_engine.skipped_steps)
         return client_state
 
     # --------------------------------------------------------------------------------------- non-finite steps
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        skipped = int(getattr(self.deepspeed_engine, "skipped_steps", 0))
+        skipped = int(self.deepspeed_engine.skipped_steps)
         if skipped > self._skipped_seen:
             base = self.pure_bf16_optimizer
             for _ in range(skipped - self._skipped_seen):
