@@ -13,9 +13,8 @@ import time
 
 
 def main() -> int:
-    from torch.utils.cpp_extension import _get_build_directory
-
     import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+    from lightning_pure_bf16._internals import cpp_extension_build_directory
 
     start = time.perf_counter()
     ok = adamw_cpu.fused_cpu_available()
@@ -25,7 +24,7 @@ def main() -> int:
             f"lightning_pure_bf16: the fused CPU optimizer loop did not compile: {adamw_cpu._failure}", file=sys.stderr
         )
         return 1
-    where = _get_build_directory(adamw_cpu._extension.__name__, verbose=False)
+    where = cpp_extension_build_directory(adamw_cpu._extension.__name__)
     print(f"lightning_pure_bf16: fused CPU optimizer loop ready ({elapsed:.2f} s), cached in {where}")
     return 0
 

@@ -13,6 +13,9 @@ _REQUIRED: dict[str, Any] = {
 }
 
 _FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+# The section of a user's DeepSpeed config read by this package (and removed before DeepSpeed sees the config).
+CONFIG_SECTION = "pure_bf16"
+CONFIG_SECTION_KEYS = ("state_storage", "state_dir")
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +67,26 @@ def _contradictions(config: dict[str, Any]) -> list[str]:
     return problems
 
 
+def split_config_section(
+    user_config: dict[str, Any] | None, *, strategy_name: str = "deepspeed_pure_bf16"
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(the "pure_bf16" section, the rest of the config)`` of a user's DeepSpeed config (``None`` stays ``None``).
+
+    Raises:
+        ValueError: the section has keys other than :data:`CONFIG_SECTION_KEYS`.
+    """
+    if user_config is None:
+        return {}, None
+    section = dict(user_config.get(CONFIG_SECTION) or {})
+    unknown = sorted(set(section) - set(CONFIG_SECTION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"`strategy='{strategy_name}'`: the DeepSpeed config's {CONFIG_SECTION!r} section has unknown keys"
+            f" {unknown}; it accepts {list(CONFIG_SECTION_KEYS)}."
+        )
+    return section, {k: v for k, v in user_config.items() if k != CONFIG_SECTION}
+
+
 def pure_bf16_deepspeed_config(
     base: dict[str, Any], user_config: dict[str, Any] | None = None, *, strategy_name: str = "deepspeed_pure_bf16"
 ) -> dict[str, Any]:
@@ -88,4 +111,4 @@ def pure_bf16_deepspeed_config(
     return _merge(merged, _REQUIRED)
 
 
-__all__ = ["pure_bf16_deepspeed_config"]
+__all__ = ["CONFIG_SECTION", "CONFIG_SECTION_KEYS", "pure_bf16_deepspeed_config", "split_config_section"]

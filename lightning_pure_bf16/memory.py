@@ -6,6 +6,13 @@ from typing import Any
 
 import torch
 
+from lightning_pure_bf16._internals import (
+    zero3_grad_partition_buffer,
+    zero3_inner_optimizer,
+    zero3_master_partitions,
+    zero3_param_partitions,
+)
+
 CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", "other_state")
 
 # Model-state bytes per trainable parameter under ZeRO-3, by category, for the configurations the project compares.
@@ -57,18 +64,18 @@ def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
         One entry per name in :data:`CATEGORIES` plus ``"total"`` (bytes/param in memory), ``"state_files"``
         (bytes/param in files) and ``"params_on_rank"`` (elements).
     """
-    params = [t for t in zero_optimizer.fp16_partitioned_groups_flat if t is not None]
+    params = zero3_param_partitions(zero_optimizer)
     n = sum(t.numel() for t in params)
     param_ptrs = {t.data_ptr() for t in params}
     nbytes = dict.fromkeys(CATEGORIES, 0)
     nbytes["param"] = sum(_nbytes(t) for t in params)
-    grad_buffer = getattr(zero_optimizer, "grad_partitions_flat_buffer", None)
+    grad_buffer = zero3_grad_partition_buffer(zero_optimizer)
     nbytes["grad"] = _nbytes(grad_buffer) if grad_buffer is not None else 0
     nbytes["master"] = sum(
-        _nbytes(t) for t in zero_optimizer.fp32_partitioned_groups_flat if t.data_ptr() not in param_ptrs
+        _nbytes(t) for t in zero3_master_partitions(zero_optimizer) if t.data_ptr() not in param_ptrs
     )
     in_files = 0
-    for state in zero_optimizer.optimizer.state.values():
+    for state in zero3_inner_optimizer(zero_optimizer).state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.ndim > 0:
                 if is_file_backed(value):

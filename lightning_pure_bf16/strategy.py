@@ -13,9 +13,7 @@ import logging
 import os
 import shutil
 from datetime import timedelta
-from functools import wraps
 from typing import Any
-from weakref import ref
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
@@ -31,8 +29,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pure_bf16._deepspeed_fixes import alias_bf16_master_partitions
+from lightning_pure_bf16 import _internals
 from lightning_pure_bf16._warnings import silence_known_warnings
+from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.checkpoint import TAG as CHECKPOINT_TAG
 from lightning_pure_bf16.checkpoint import (
     CheckpointError,
@@ -42,57 +41,26 @@ from lightning_pure_bf16.checkpoint import (
     validate_checkpoint,
     write_manifest,
 )
-from lightning_pure_bf16.config import pure_bf16_deepspeed_config
+from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
 from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
-from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
-from lightning_pure_bf16.ops.rng import rank_seed
-from lightning_pure_bf16.optim.adamw import _BACKENDS, _STATE_STORAGES, Adam, AdamW
-from lightning_pure_bf16.optim.mmap_states import check_state_dir, filesystem_type
+from lightning_pure_bf16.optim.adamw import AdamW
+from lightning_pure_bf16.options import (
+    STATE_DIR_ENV,
+    STATE_STORAGES,
+    OptimizerOptions,
+    check_choice,
+    check_zero3_arguments,
+    resolve_state_dir,
+)
 from lightning_pure_bf16.precision import PureBF16Precision
 
-_DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.1")
+_DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.2")
 # Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
 _ACCEPTED_PRECISION = ("32-true", "bf16-true")
-# torch.optim options the pure-bf16 optimizer cannot honour, with the value that means "off".
-_UNSUPPORTED_TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 # DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
 _GPU_BUCKET = 200_000_000
 _CPU_BUCKET = 5_000_000
-# The environment variable naming the state directory, for `Trainer(strategy="deepspeed_pure_bf16_mmap")`.
-STATE_DIR_ENV = "PURE_BF16_STATE_DIR"
-# The section of a user's DeepSpeed config read by this strategy (and removed before DeepSpeed sees the config).
-_CONFIG_SECTION = "pure_bf16"
-_CONFIG_SECTION_KEYS = ("state_storage", "state_dir")
-# Filesystems held in memory: "mmap" states there save device memory but not host memory.
-_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
-# Group keys that belong to torch's implementation choice, not to the optimization problem.
-_TORCH_ONLY_GROUP_KEYS = ("foreach", "fused", "decoupled_weight_decay", *_UNSUPPORTED_TORCH_OPTIONS)
-
-
-def _use_cpu_deepspeed_accelerator_if_no_cuda() -> None:
-    # DeepSpeed picks its accelerator once, at first use; without CUDA it must be told to use the CPU before that.
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-
-
-def _use_deepspeed_accelerator(device_type: str) -> None:
-    """Point DeepSpeed's accelerator at the Trainer's device type.
-
-    DeepSpeed picks its accelerator from what the machine has (CUDA whenever a GPU exists), the Trainer from its
-    ``accelerator`` argument: a CPU fit on a GPU host needs DeepSpeed's CPU accelerator, chosen here before any engine
-    exists. ``DS_ACCELERATOR`` is set too, for the processes Lightning launches next.
-    """
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() == device_type:
-        return
-    if device_type == "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as accelerator_cls
-    else:
-        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as accelerator_cls
-    os.environ["DS_ACCELERATOR"] = device_type
-    set_accelerator(accelerator_cls())
 
 
 class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
@@ -158,30 +126,12 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         name = self.strategy_name
         if not _DEEPSPEED_AVAILABLE:
             raise ModuleNotFoundError(
-                f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.1'`"
+                f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.2'`"
             )
-        if stage != 3:
-            raise ValueError(
-                f"`DeepSpeedPureBF16Strategy(stage={stage})` is not supported: ZeRO stages 1 and 2 keep a separate"
-                " master copy of the weights. Use `stage=3`."
-            )
-        if rounding not in ROUNDING_MODES:
-            raise ValueError(f"`DeepSpeedPureBF16Strategy(rounding={rounding!r})` is not one of {ROUNDING_MODES}.")
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"`DeepSpeedPureBF16Strategy(seed={seed!r})` must be a non-negative int or None.")
-        if backend not in _BACKENDS:
-            raise ValueError(f"`DeepSpeedPureBF16Strategy(backend={backend!r})` is not one of {_BACKENDS}.")
-        for option in ("offload_optimizer", "offload_parameters"):
-            if kwargs.get(option):
-                raise ValueError(
-                    f"`DeepSpeedPureBF16Strategy({option}=True)` is not supported: pure bf16 keeps all state on the"
-                    " device."
-                )
-        if kwargs.get("zero_optimization") is False:
-            raise ValueError(
-                "`DeepSpeedPureBF16Strategy(zero_optimization=False)` is not supported: it needs ZeRO stage 3."
-            )
-        _use_cpu_deepspeed_accelerator_if_no_cuda()
+        who = type(self).__name__
+        check_zero3_arguments(who, stage, kwargs)
+        OptimizerOptions(rounding=rounding, seed=seed, backend=backend).check(who)
+        _internals.use_cpu_deepspeed_accelerator_if_no_cuda()
         silence_known_warnings()
         super().__init__(
             accelerator=accelerator,
@@ -202,24 +152,20 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             **({"timeout": timeout} if timeout is not None else {}),
             **kwargs,
         )
-        user_config = self._load_config(config)
-        section = dict((user_config or {}).get(_CONFIG_SECTION) or {})
-        unknown = sorted(set(section) - set(_CONFIG_SECTION_KEYS))
-        if unknown:
-            raise ValueError(
-                f"`Trainer(strategy='{name}')`: the DeepSpeed config's {_CONFIG_SECTION!r} section has unknown keys"
-                f" {unknown}; it accepts {list(_CONFIG_SECTION_KEYS)}."
-            )
-        if user_config is not None:
-            user_config = {k: v for k, v in user_config.items() if k != _CONFIG_SECTION}
+        section, user_config = split_config_section(self._load_config(config), strategy_name=name)
         if state_storage == "memory" and "state_storage" in section:
             state_storage = section["state_storage"]
-        if state_storage not in _STATE_STORAGES:
-            raise ValueError(
-                f"`DeepSpeedPureBF16Strategy(state_storage={state_storage!r})` is not one of {_STATE_STORAGES}."
-            )
+        check_choice(who, "state_storage", state_storage, STATE_STORAGES)
         self.state_storage = state_storage
-        self.state_dir = self._resolve_state_dir(state_storage, state_dir, section)
+        self.state_dir = resolve_state_dir(
+            state_storage,
+            state_dir,
+            section.get("state_dir"),
+            who=who,
+            strategy_name=name,
+            config_section=CONFIG_SECTION,
+        )
+        self.optimizer_options = OptimizerOptions(rounding, seed, backend, state_storage, self.state_dir).check(who)
         self.config = pure_bf16_deepspeed_config(self.config, user_config, strategy_name=name)
         user_zero = (user_config or {}).get("zero_optimization", {})
         self._default_buckets = [
@@ -230,38 +176,22 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             )
             if arg is None and key not in user_zero
         ]
-        self.rounding = rounding
-        self.seed = seed
-        self.backend = backend
         self._skipped_seen = 0
 
-    def _resolve_state_dir(
-        self, state_storage: str, state_dir: str | os.PathLike | None, section: dict[str, Any]
-    ) -> str | None:
-        if state_storage == "memory":
-            if state_dir is not None:
-                raise ValueError(
-                    "`DeepSpeedPureBF16Strategy(state_dir=...)` is only used with `state_storage='mmap'` (or"
-                    " `strategy='deepspeed_pure_bf16_mmap'`); pass both or neither."
-                )
-            return None
-        chosen = state_dir if state_dir is not None else os.environ.get(STATE_DIR_ENV) or section.get("state_dir")
-        if not chosen:
-            raise ValueError(
-                f"`Trainer(strategy='{self.strategy_name}')` with optimizer states in memory-mapped files needs a state"
-                f" directory: pass `DeepSpeedPureBF16Strategy(state_storage='mmap', state_dir='/local/nvme/dir')`, set"
-                f" the environment variable {STATE_DIR_ENV}, or add"
-                f' `{{"{_CONFIG_SECTION}": {{"state_dir": ...}}}}` to the DeepSpeed config.'
-            )
-        who = f"DeepSpeedPureBF16Strategy(state_storage='mmap', state_dir={os.fspath(chosen)!r})"
-        path = check_state_dir(chosen, who=who)
-        fs_type = filesystem_type(path)
-        if fs_type in _MEMORY_FILESYSTEMS:
-            rank_zero_warn(
-                f"{self.strategy_name}: the state directory '{path}' is on {fs_type}, which is memory: the optimizer"
-                " states leave the GPU but still take host memory. Use a directory on a disk."
-            )
-        return os.fspath(path)
+    @property
+    def rounding(self) -> str:
+        """The rounding of the optimizer the strategy builds from a torch one."""
+        return self.optimizer_options.rounding
+
+    @property
+    def seed(self) -> int | None:
+        """The base seed of the rounding noise (each rank derives its own), or ``None`` for the optimizer's."""
+        return self.optimizer_options.seed
+
+    @property
+    def backend(self) -> str:
+        """The optimizer backend."""
+        return self.optimizer_options.backend
 
     # ----------------------------------------------------------------------------------------------- registration
     @classmethod
@@ -315,7 +245,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 f" `{type(self.accelerator).__name__}` is used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
             )
         on_cpu = isinstance(self.accelerator, CPUAccelerator)
-        _use_deepspeed_accelerator("cpu" if on_cpu else "cuda")
+        _internals.set_deepspeed_accelerator("cpu" if on_cpu else "cuda")
         if on_cpu:
             for key in self._default_buckets:
                 self.config["zero_optimization"][key] = _CPU_BUCKET
@@ -364,7 +294,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         import deepspeed
 
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        with alias_bf16_master_partitions():
+        with _internals.alias_bf16_master_partitions():
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 args=argparse.Namespace(device_rank=self._device_rank()),
                 config=self.config,
@@ -379,7 +309,6 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
         import deepspeed
-        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
         # As Lightning's own inference setup (bf16 and ZeRO-3 sections only), with a device rank DeepSpeed accepts.
         assert isinstance(self.config, dict)
@@ -389,7 +318,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             "zero_allow_untested_optimizer": True,
             "zero_optimization": self.config["zero_optimization"],
         }
-        remove_module_hooks(model)
+        _internals.lightning_remove_module_hooks(model)
         self.model, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),
             config=inference_config,
@@ -409,64 +338,12 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         optimizer, scheduler_config = super()._init_optimizers()
-        converted = self._convert_optimizer(optimizer)
+        who = f"Trainer(strategy='{self.strategy_name}')"
+        converted = adopt_optimizer(optimizer, self.optimizer_options, who=who, source="configure_optimizers")
         if scheduler_config is not None and converted is not optimizer:
-            _rebind_scheduler(scheduler_config.scheduler, converted)
-        base_seed = self.seed if self.seed is not None else converted.seed
-        converted.seed = rank_seed(base_seed, self.global_rank)
-        if converted._store is not None:
-            converted._store.label = f"rank{self.global_rank}"
-        # ZeRO-3 decides on non-finite gradients for all ranks at once (its all-reduced gradient norm) before any
-        # partition is updated; the optimizer sees one sub-group at a time and must not decide on its own.
-        converted.check_nonfinite = False
+            rebind_scheduler(scheduler_config.scheduler, converted)
+        prepare_for_zero3(converted, base_seed=self.seed, global_rank=self.global_rank)
         return converted, scheduler_config
-
-    def _convert_optimizer(self, optimizer: Optimizer) -> AdamW:
-        if isinstance(optimizer, AdamW):
-            if self.state_storage == "mmap" and optimizer.state_storage != "mmap":
-                raise ValueError(
-                    f"`Trainer(strategy='{self.strategy_name}')` keeps optimizer states in memory-mapped files, but"
-                    f" `configure_optimizers` returned `{type(optimizer).__name__}(state_storage="
-                    f"{optimizer.state_storage!r})`. Pass `state_storage='mmap', state_dir=...` to it, or return a"
-                    " `torch.optim.AdamW` and let the strategy convert it."
-                )
-            rank_zero_info(f"{self.strategy_name}: using the given {type(optimizer).__name__} as is.")
-            return optimizer
-        kind = type(optimizer)
-        if kind not in (torch.optim.AdamW, torch.optim.Adam):
-            raise TypeError(
-                f"`Trainer(strategy='{self.strategy_name}')` can convert `torch.optim.AdamW` and `torch.optim.Adam`,"
-                f" but `configure_optimizers` returned `{kind.__module__}.{kind.__qualname__}`. Return one of those,"
-                " or `lightning_pure_bf16.AdamW`/`Adam` directly."
-            )
-        for option, off in _UNSUPPORTED_TORCH_OPTIONS.items():
-            for group in optimizer.param_groups:
-                if group.get(option, off) != off:
-                    raise ValueError(
-                        f"`torch.optim.{kind.__name__}({option}={group[option]!r})` cannot be converted to pure bf16 by"
-                        f" `Trainer(strategy='{self.strategy_name}')`. Remove `{option}`."
-                    )
-        if any(len(optimizer.state[p]) for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError(
-                f"`Trainer(strategy='{self.strategy_name}')` cannot convert a `torch.optim.{kind.__name__}` that"
-                " already holds state. Create it fresh in `configure_optimizers`."
-            )
-        groups = [{k: v for k, v in g.items() if k not in _TORCH_ONLY_GROUP_KEYS} for g in optimizer.param_groups]
-        options: dict[str, Any] = {"rounding": self.rounding, "seed": self.seed, "backend": self.backend}
-        if self.state_storage == "mmap":
-            options.update(state_storage="mmap", state_dir=self.state_dir)
-        if kind is torch.optim.AdamW:
-            new: AdamW = AdamW(groups, **options)
-        else:
-            decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-            new = Adam(groups, decoupled_weight_decay=decoupled, **options)
-        n_params = sum(len(g["params"]) for g in groups)
-        rank_zero_info(
-            f"{self.strategy_name}: replaced torch.optim.{kind.__name__} with lightning_pure_bf16.{type(new).__name__}"
-            f"(rounding={self.rounding!r}, state_storage={self.state_storage!r}) on {len(groups)} param group(s),"
-            f" {n_params} tensors, same hyperparameters."
-        )
-        return new
 
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
@@ -532,14 +409,14 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         )
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint '{checkpoint_path}'.")
-        self._skipped_seen = int(self.deepspeed_engine.skipped_steps)
+        self._skipped_seen = _internals.engine_skipped_steps(self.deepspeed_engine)
         return client_state
 
     # --------------------------------------------------------------------------------------- non-finite steps
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        skipped = int(self.deepspeed_engine.skipped_steps)
+        skipped = _internals.engine_skipped_steps(self.deepspeed_engine)
         if skipped > self._skipped_seen:
             base = self.pure_bf16_optimizer
             for _ in range(skipped - self._skipped_seen):
@@ -559,7 +436,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @property
     def pure_bf16_optimizer(self) -> AdamW:
         """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
-        return self.deepspeed_engine.optimizer.optimizer
+        return _internals.zero3_inner_optimizer(self.deepspeed_engine.optimizer)
 
     def memory_report(self) -> dict[str, float]:
         """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers.
@@ -578,30 +455,10 @@ def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
     That is the order of the first step, so nothing changes but the time of allocation: the memory report at setup
     is the steady state, and a shortage of memory shows at setup instead of at the first step.
     """
-    optimizer = zero_optimizer.optimizer
+    optimizer = _internals.zero3_inner_optimizer(zero_optimizer)
     optimizer.init_states(
-        (flat, optimizer.param_groups[zero_optimizer.sub_group_to_group_id[sub_group]])
-        for sub_group, flat in enumerate(zero_optimizer.fp32_partitioned_groups_flat)
+        (flat, optimizer.param_groups[group]) for flat, group in _internals.zero3_sub_groups(zero_optimizer)
     )
 
 
-def _rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
-    """Point an LR scheduler built on the torch optimizer at the pure-bf16 one (same param group order and keys)."""
-    scheduler.optimizer = optimizer
-    # torch's LRScheduler marks optimizer.step to warn when the scheduler steps first; mark the new optimizer alike.
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-    opt_ref = ref(optimizer)
-
-    @wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
-
-
-__all__ = ["DeepSpeedPureBF16Strategy"]
+__all__ = ["STATE_DIR_ENV", "DeepSpeedPureBF16Strategy", "init_zero3_optimizer_state"]

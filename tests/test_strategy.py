@@ -14,7 +14,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_pure_bf16
-import lightning_pure_bf16.strategy as strategy_module
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision, StateStorageError
 from lightning_pure_bf16.strategy import STATE_DIR_ENV
 from tests.strategy_runs import SCRIPTS, _env, fit, load_ranks, run_script
@@ -393,6 +392,8 @@ def test_mmap_state_dir_errors_come_at_trainer_construction(tmp_path):
 
 
 def test_mmap_state_dir_in_memory_is_warned_about(tmp_path, monkeypatch):
-    monkeypatch.setattr(strategy_module, "filesystem_type", lambda _: "tmpfs")
+    import lightning_pure_bf16.optim.mmap_states as mmap_states
+
+    monkeypatch.setattr(mmap_states, "filesystem_type", lambda _: "tmpfs")
     with pytest.warns(UserWarning, match="is on tmpfs, which is memory"):
         DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir=tmp_path)

@@ -166,6 +166,185 @@ void dispatch_decay(bool l2, bool decoupled, uint16_t* P, const uint16_t* G, uin
   update_all<ROUNDING, false, false>(P, G, M, V, C, n, s, kp, km, kv, off);
 }
 
+// ---------------------------------------------------------------------------------------------- 8-bit states
+// ops/quant.py specifies the codes and explains them; these are its operations, in its order, one rounding each.
+PB16_INLINE float uniform24(uint32_t r) { return static_cast<float>(r >> 8) * 5.9604644775390625e-08f; }
+PB16_INLINE float level_m(float k) { const float t = k / 127.0f; return t * t; }
+PB16_INLINE float level_v(float k) { const float t = k / 255.0f; const float t2 = t * t; return t2 * t2; }
+PB16_INLINE uint16_t bf16_ceil(float x) { return static_cast<uint16_t>(((bits_of(x) + 0xFFFFu) & 0x7FFF0000u) >> 16); }
+PB16_INLINE float normalized(float x, float scale) { return scale > 0.0f ? std::fabs(x) / scale : 0.0f; }
+PB16_INLINE int8_t encode_m(float x, float scale, uint32_t r) {
+  const float a = normalized(x, scale);
+  const int32_t k0 = std::min(static_cast<int32_t>(std::sqrt(a) * 127.0f), 126);
+  const float lo = level_m(static_cast<float>(k0)), hi = level_m(static_cast<float>(k0) + 1.0f);
+  const float frac = std::min(std::max((a - lo) / (hi - lo), 0.0f), 1.0f);
+  const int32_t k = k0 + static_cast<int32_t>(uniform24(r) < frac);
+  return static_cast<int8_t>(x < 0.0f ? -k : k);
+}
+PB16_INLINE float decode_m(int8_t code, float scale) {
+  const int32_t k = code;
+  const float value = scale * level_m(static_cast<float>(k < 0 ? -k : k));
+  return k < 0 ? -value : value;
+}
+PB16_INLINE uint8_t encode_v(float x, float scale, uint32_t r) {
+  const float a = normalized(x, scale);
+  const int32_t k0 = std::min(static_cast<int32_t>(std::sqrt(std::sqrt(a)) * 255.0f), 254);
+  const float lo = level_v(static_cast<float>(k0)), hi = level_v(static_cast<float>(k0) + 1.0f);
+  const float frac = std::min(std::max((a - lo) / (hi - lo), 0.0f), 1.0f);
+  return static_cast<uint8_t>(k0 + static_cast<int32_t>(uniform24(r) < frac));
+}
+PB16_INLINE float decode_v(uint8_t code, float scale) { return scale * level_v(static_cast<float>(code)); }
+// 1/256 of the bf16 spacing of the bf16 weight p: a power of two, normal or subnormal.
+PB16_INLINE float residual_unit(uint16_t p) {
+  const uint32_t e = std::max<uint32_t>((p >> 7) & 0xFFu, 1u);
+  return e >= 16 ? float_of((e - 15u) << 23) : float_of(1u << (e + 7u));
+}
+PB16_INLINE int8_t encode_residual(float c, uint16_t p_out, uint32_t r) {
+  const float t = c / residual_unit(p_out);
+  const float k0 = std::floor(t);
+  const float k = k0 + static_cast<float>(uniform24(r) < t - k0);
+  return static_cast<int8_t>(std::min(std::max(k, -127.0f), 127.0f));
+}
+
+constexpr int64_t QBLOCK = 128;
+
+// Blocks of QBLOCK elements [qb_begin, qb_end): moments bf16 or 8-bit (Q8M), the Kahan remainder bf16 or 8-bit (C8).
+// Each block is decoded, updated (the parameter written), then its new scales found and its moments encoded.
+template <int ROUNDING, bool L2, bool DECOUPLED, bool Q8M, bool C8>
+void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, void* __restrict__ Mv,
+                      void* __restrict__ Vv, uint16_t* __restrict__ MS, uint16_t* __restrict__ VS,
+                      void* __restrict__ Cv, int64_t n, int64_t qb_begin, int64_t qb_end, const Scalars& s,
+                      int64_t key_p, int64_t key_m, int64_t key_v, int64_t offset) {
+  float mbuf[QBLOCK], vbuf[QBLOCK];
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    const int64_t begin = qb * QBLOCK, end = std::min(begin + QBLOCK, n);
+    const int64_t global = begin + offset;  // offset is a multiple of QBLOCK: one high index word per block
+    const uint32_t hi = static_cast<uint32_t>(global >> 32);
+    const uint32_t kp = mix32(static_cast<uint32_t>(key_p) ^ hi), km = mix32(static_cast<uint32_t>(key_m) ^ hi),
+                   kv = mix32(static_cast<uint32_t>(key_v) ^ hi);
+    const float m_scale = Q8M ? widen(MS[qb]) : 0.0f, v_scale = Q8M ? widen(VS[qb]) : 0.0f;
+    float m_max = 0.0f, v_max = 0.0f;
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t lo = static_cast<uint32_t>(i + offset);
+      const float p = widen(P[i]);
+      float g = widen(G[i]);
+      float m = Q8M ? decode_m(static_cast<int8_t*>(Mv)[i], m_scale) : widen(static_cast<uint16_t*>(Mv)[i]);
+      float v = Q8M ? decode_v(static_cast<uint8_t*>(Vv)[i], v_scale) : widen(static_cast<uint16_t*>(Vv)[i]);
+      if (L2) g = g + p * s.wd;
+      v = v * s.b2 + (g * g) * s.omb2;
+      m = m * s.b1 + g * s.omb1;
+      float delta = (m / (std::sqrt(v) * s.inv_bc2 + s.eps)) * s.neg_step;
+      if (DECOUPLED) delta = delta - p * s.decay;
+      if (ROUNDING == 2) {
+        const float c = C8 ? static_cast<float>(static_cast<int8_t*>(Cv)[i]) * residual_unit(P[i])
+                           : widen(static_cast<uint16_t*>(Cv)[i]);
+        const uint16_t out = round_nearest(p + (delta + c));
+        if (C8) {
+          static_cast<int8_t*>(Cv)[i] = encode_residual((c - (widen(out) - p)) + delta, out, mix32(lo ^ kp));
+        } else {
+          static_cast<uint16_t*>(Cv)[i] = round_stochastic_sum(c - (widen(out) - p), delta, mix32(lo ^ kp));
+        }
+        P[i] = out;
+      } else if (ROUNDING == 1) {
+        P[i] = round_stochastic_sum(p, delta, mix32(lo ^ kp));
+      } else {
+        P[i] = round_nearest(p + delta);
+      }
+      if (Q8M) {
+        mbuf[i - begin] = m;
+        vbuf[i - begin] = v;
+        m_max = std::max(m_max, std::fabs(m));
+        v_max = std::max(v_max, std::fabs(v));
+      } else if (ROUNDING == 0) {
+        static_cast<uint16_t*>(Mv)[i] = round_nearest(m);
+        static_cast<uint16_t*>(Vv)[i] = round_nearest(v);
+      } else {
+        static_cast<uint16_t*>(Mv)[i] = round_stochastic(m, mix32(lo ^ km));
+        static_cast<uint16_t*>(Vv)[i] = round_stochastic(v, mix32(lo ^ kv));
+      }
+    }
+    if (Q8M) {
+      MS[qb] = bf16_ceil(m_max);
+      VS[qb] = bf16_ceil(v_max);
+      const float ms = widen(MS[qb]), vs = widen(VS[qb]);
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t lo = static_cast<uint32_t>(i + offset);
+        static_cast<int8_t*>(Mv)[i] = encode_m(mbuf[i - begin], ms, mix32(lo ^ km));
+        static_cast<uint8_t*>(Vv)[i] = encode_v(vbuf[i - begin], vs, mix32(lo ^ kv));
+      }
+    }
+  }
+}
+
+template <int ROUNDING, bool Q8M, bool C8>
+void dispatch_q8(bool l2, bool dec, uint16_t* P, const uint16_t* G, void* M, void* V, uint16_t* MS, uint16_t* VS,
+                 void* C, int64_t n, const Scalars& s, int64_t kp, int64_t km, int64_t kv, int64_t off) {
+  const int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
+  at::parallel_for(0, blocks, 128, [&](int64_t b0, int64_t b1) {
+#define PB16_BLOCKS(L2_, DEC_) \
+  update_blocks_q8<ROUNDING, L2_, DEC_, Q8M, C8>(P, G, M, V, MS, VS, C, n, b0, b1, s, kp, km, kv, off)
+    if (l2) PB16_BLOCKS(true, false);
+    else if (dec) PB16_BLOCKS(false, true);
+    else PB16_BLOCKS(false, false);
+#undef PB16_BLOCKS
+  });
+}
+
+void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+                     torch::Tensor exp_avg_scale, torch::Tensor exp_avg_sq_scale, torch::Tensor kahan_comp,
+                     int64_t rounding, bool decoupled, double beta1, double one_minus_beta1, double beta2,
+                     double one_minus_beta2, double eps, double weight_decay, double decay, double neg_step_size,
+                     double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m, int64_t key_v,
+                     int64_t index_offset) {
+  TORCH_CHECK(rounding >= 0 && rounding <= 2, "adamw_update_q8: rounding code ", rounding, " is not 0, 1 or 2");
+  TORCH_CHECK(index_offset >= 0 && index_offset % QBLOCK == 0, "adamw_update_q8: index_offset must be a multiple of ",
+              QBLOCK, ", got ", index_offset);
+  const int64_t n = param.numel();
+  const bool q8m = exp_avg.scalar_type() == at::kChar;
+  const bool c8 = rounding == 2 && kahan_comp.scalar_type() == at::kChar;
+  TORCH_CHECK(q8m || c8, "adamw_update_q8: no 8-bit state given");
+  TORCH_CHECK(param.scalar_type() == at::kBFloat16 && grad.scalar_type() == at::kBFloat16,
+              "adamw_update_q8: `param` and `grad` must be bfloat16");
+  TORCH_CHECK(!q8m || exp_avg_sq.scalar_type() == at::kByte, "adamw_update_q8: `exp_avg_sq` must be uint8");
+  TORCH_CHECK(q8m || (exp_avg.scalar_type() == at::kBFloat16 && exp_avg_sq.scalar_type() == at::kBFloat16),
+              "adamw_update_q8: bf16 moments expected");
+  const int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
+  const std::pair<const char*, const torch::Tensor*> buffers[] = {
+      {"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq},
+      {"exp_avg_scale", &exp_avg_scale}, {"exp_avg_sq_scale", &exp_avg_sq_scale}, {"kahan_comp", &kahan_comp}};
+  for (const auto& [name, t] : buffers) {
+    const std::string key(name);
+    if (rounding != 2 && key == "kahan_comp") continue;
+    const bool scale = key == "exp_avg_scale" || key == "exp_avg_sq_scale";
+    if (scale && !q8m) continue;
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "adamw_update_q8: `", name,
+                "` must be a contiguous CPU tensor");
+    TORCH_CHECK(t->numel() == (scale ? blocks : n), "adamw_update_q8: `", name, "` has ", t->numel(),
+                " elements, expected ", scale ? blocks : n);
+    if (scale) TORCH_CHECK(t->scalar_type() == at::kBFloat16, "adamw_update_q8: `", name, "` must be bfloat16");
+  }
+  uint16_t* P = reinterpret_cast<uint16_t*>(param.data_ptr());
+  const uint16_t* G = reinterpret_cast<const uint16_t*>(grad.data_ptr());
+  uint16_t* MS = q8m ? reinterpret_cast<uint16_t*>(exp_avg_scale.data_ptr()) : nullptr;
+  uint16_t* VS = q8m ? reinterpret_cast<uint16_t*>(exp_avg_sq_scale.data_ptr()) : nullptr;
+  void* C = rounding == 2 ? kahan_comp.data_ptr() : nullptr;
+  const Scalars s{static_cast<float>(beta1), static_cast<float>(one_minus_beta1), static_cast<float>(beta2),
+                  static_cast<float>(one_minus_beta2), static_cast<float>(eps), static_cast<float>(weight_decay),
+                  static_cast<float>(decay), static_cast<float>(neg_step_size),
+                  static_cast<float>(inv_bias_correction2_sqrt)};
+  const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
+  void* M = exp_avg.data_ptr();
+  void* V = exp_avg_sq.data_ptr();
+#define PB16_Q8(R, QM, C8_) \
+  dispatch_q8<R, QM, C8_>(l2, dec, P, G, M, V, MS, VS, C, n, s, key_p, key_m, key_v, index_offset)
+  if (rounding == 0) PB16_Q8(0, true, false);
+  else if (rounding == 1) PB16_Q8(1, true, false);
+  else if (q8m && c8) PB16_Q8(2, true, true);
+  else if (q8m) PB16_Q8(2, true, false);
+  else PB16_Q8(2, false, true);
+#undef PB16_Q8
+}
+
 // Whether any element is inf or NaN (exponent bits all ones): one read-only pass, an OR-reduction that vectorizes.
 bool any_nonfinite_bf16(torch::Tensor t) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
@@ -250,9 +429,9 @@ def fused_cpu_available() -> bool:
             capability = torch.backends.cpu.get_cpu_capability()
             arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
             _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v12_{capability.lower()}",
+                name=f"lightning_pure_bf16_adamw_cpu_v13_{capability.lower()}",
                 cpp_sources=[_source()],
-                functions=["adamw_update_bf16", "any_nonfinite_bf16"],
+                functions=["adamw_update_bf16", "adamw_update_q8", "any_nonfinite_bf16"],
                 extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *arch],
                 verbose=False,
             )
@@ -287,12 +466,35 @@ def adamw_update_cpu_(
     args: UpdateArgs,
     *,
     index_offset: int = 0,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW step in place, one pass; same contract and bits as ``adamw_update_torch_`` (bf16, CPU).
+    """One Adam/AdamW step in place, one pass; same contract and bits as ``adamw_update_torch_`` (bf16, CPU),
+    8-bit states included.
 
     ``index_offset``: index of the first element in the whole tensor when the buffers are one piece of it.
     """
     if param.numel() == 0:
+        return
+    q8 = exp_avg_scale is not None or (kahan_comp is not None and kahan_comp.dtype == torch.int8)
+    if q8:
+        placeholder = exp_avg_scale if exp_avg_scale is not None else param
+        _extension.adamw_update_q8(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            placeholder,
+            exp_avg_sq_scale if exp_avg_sq_scale is not None else param,
+            kahan_comp if kahan_comp is not None else param,
+            _ROUNDING_CODES[args.rounding],
+            args.decoupled,
+            *args.scalars,
+            args.keys[0],
+            args.keys[1],
+            args.keys[2],
+            index_offset,
+        )
         return
     _extension.adamw_update_bf16(
         param,

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.rng import random_bits
 from lightning_pure_bf16.ops.rounding import nearest_round_bf16, stochastic_round_bf16, stochastic_round_sum_bf16
 
@@ -87,10 +88,15 @@ def adamw_update_torch_(
     *,
     chunk_size: int = DEFAULT_CHUNK,
     index_offset: int = 0,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
     """Apply one Adam/AdamW step in place to ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``kahan_comp``).
 
     bf16 buffers get the requested rounding on every write; float32 buffers are written exactly (plain AdamW).
+    8-bit states (:mod:`lightning_pure_bf16.ops.quant`): ``exp_avg`` int8 and ``exp_avg_sq`` uint8 codes with their
+    block scales ``exp_avg_scale``/``exp_avg_sq_scale`` (bf16, one per 128 elements of the piece), and an int8
+    ``kahan_comp``, are decoded, updated and re-encoded with stochastic rounding in the same pass.
 
     Args:
         param: the parameter, bf16 or float32.
@@ -106,6 +112,12 @@ def adamw_update_torch_(
     """
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
+    int8_moments = exp_avg_scale is not None
+    if int8_moments and (chunk_size < quant.QBLOCK or index_offset % quant.QBLOCK):
+        raise ValueError(
+            f"8-bit moments need a chunk size and index offset that are multiples of {quant.QBLOCK}, got"
+            f" {chunk_size} and {index_offset}."
+        )
     if index_offset < 0 or index_offset % min(chunk_size, 1 << max(param.numel() - 1, 0).bit_length()):
         raise ValueError(
             f"`index_offset={index_offset}` must be a non-negative multiple of the chunk size ({chunk_size}) or of a"
@@ -126,8 +138,13 @@ def adamw_update_torch_(
         # Compute in fp32 whatever the storage dtype: bf16 arithmetic would round every intermediate.
         p = p_flat[start:end].float()
         g = g_flat[start:end].float()
-        m = m_flat[start:end].float()
-        v = v_flat[start:end].float()
+        if int8_moments:
+            blocks = slice(start // quant.QBLOCK, -(-end // quant.QBLOCK))
+            m = quant.decode_m(m_flat[start:end], exp_avg_scale[blocks])
+            v = quant.decode_v(v_flat[start:end], exp_avg_sq_scale[blocks])  # type: ignore[index]
+        else:
+            m = m_flat[start:end].float()
+            v = v_flat[start:end].float()
         if not args.decoupled and s.weight_decay != 0.0:
             g.add_(torch.mul(p, s.weight_decay))
         # Each product is rounded on its own (no fused multiply-add), in the kernels' order, so all backends land on
@@ -156,7 +173,12 @@ def adamw_update_torch_(
             v_out = nearest_round_bf16(v)
         else:
             bits_p = random_bits(args.keys[0], index_offset + start, idx)
-            if args.rounding == "kahan":
+            if args.rounding == "kahan" and c_flat.dtype == torch.int8:
+                # An 8-bit remainder, in units of 1/256 of the stored weight's spacing, stochastically rounded.
+                c = quant.decode_residual(c_flat[start:end], p_flat[start:end])
+                p_out = nearest_round_bf16(p + (delta + c))
+                c_flat[start:end] = quant.encode_residual(c.sub_(p_out.float().sub_(p)).add_(delta), p_out, bits_p)
+            elif args.rounding == "kahan":
                 # Kahan: add the carried remainder to this step's update and round the sum to nearest; the new
                 # remainder (old one, less what the write took, plus the update) is written with stochastic rounding
                 # of its exact sum, so an update far below the remainder's own bf16 spacing still counts on average.
@@ -166,8 +188,17 @@ def adamw_update_torch_(
             else:
                 # SR of the exact p + delta: the float32 sum alone would round away an update of 1e-7 of the weight.
                 p_out = stochastic_round_sum_bf16(p, delta, bits_p)
-            m_out = stochastic_round_bf16(m, random_bits(args.keys[1], index_offset + start, idx))
-            v_out = stochastic_round_bf16(v, random_bits(args.keys[2], index_offset + start, idx))
+            if not int8_moments:
+                m_out = stochastic_round_bf16(m, random_bits(args.keys[1], index_offset + start, idx))
+                v_out = stochastic_round_bf16(v, random_bits(args.keys[2], index_offset + start, idx))
+        if int8_moments:
+            # The block scales of the new moments, then their codes (nearest rounding has no 8-bit form: 8-bit
+            # writes are always stochastic).
+            m_scale, v_scale = quant.block_scales(m), quant.block_scales(v)
+            exp_avg_scale[blocks] = m_scale
+            exp_avg_sq_scale[blocks] = v_scale  # type: ignore[index]
+            m_out = quant.encode_m(m, m_scale, random_bits(args.keys[1], index_offset + start, idx))
+            v_out = quant.encode_v(v, v_scale, random_bits(args.keys[2], index_offset + start, idx))
         p_flat[start:end] = p_out
         m_flat[start:end] = m_out
         v_flat[start:end] = v_out

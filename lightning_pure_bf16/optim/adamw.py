@@ -19,6 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
+from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.adamw_cpu import (
     adamw_update_cpu_,
     any_nonfinite_cpu,
@@ -26,12 +27,20 @@ from lightning_pure_bf16.ops.adamw_cpu import (
     fused_cpu_available,
 )
 from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
-from lightning_pure_bf16.ops.rng import Buffer, default_seed, derive_seed, stream_key
+from lightning_pure_bf16.ops.rng import Buffer, default_seed, derive_seed, random_bits, stream_key
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
     MmapStateStore,
     StateStreamer,
     check_state_dir,
+)
+from lightning_pure_bf16.options import (
+    BACKENDS,
+    UNSUPPORTED_TORCH_OPTIONS,
+    OptimizerOptions,
+    check_choice,
+    check_seed,
+    unsupported_torch_options,
 )
 
 _TRITON_AVAILABLE = RequirementCache("triton")
@@ -40,12 +49,10 @@ Rounding = Literal["stochastic", "kahan", "nearest"]
 Backend = Literal["auto", "triton", "cpu", "torch"]
 StateStorage = Literal["memory", "mmap"]
 
-_BACKENDS = ("auto", "triton", "cpu", "torch")
-_STATE_STORAGES = ("memory", "mmap")
 # State entries with one element per parameter element (what ``state_storage`` decides the place of).
 _BUFFER_KEYS = ("exp_avg", "exp_avg_sq", "kahan_comp")
-# torch.optim options this optimizer does not implement, with the value that means "off".
-_UNSUPPORTED_OFF: dict[str, Any] = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+# The block scales of 8-bit moments (one bf16 per ops.quant.QBLOCK elements).
+_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 _STATE_EXTRA_KEY = "pure_bf16"
 # Attributes a copy or an unpickled optimizer keeps, besides torch's defaults, state and param groups.
 _COPIED_ATTRIBUTES = (
@@ -56,6 +63,8 @@ _COPIED_ATTRIBUTES = (
     "check_nonfinite",
     "state_storage",
     "state_chunk_size",
+    "moments",
+    "compensation",
     "_next_stream",
     "_closed",
 )
@@ -127,6 +136,12 @@ class AdamW(Optimizer):
             ``None``).
         state_chunk_size: elements per streamed chunk with ``state_storage="mmap"``, a power of two (default:
             ``2**22``).
+        moments: the format of both moments of bf16 parameters: ``"bf16"`` (2 bytes each) or ``"int8"`` (1 byte
+            each plus a bf16 scale per 128 elements, :mod:`lightning_pure_bf16.ops.quant`; every 8-bit write is
+            stochastically rounded): 6 bytes/param of model state instead of 8 (default: ``"bf16"``). float32
+            parameters keep float32 moments.
+        compensation: the format of the Kahan buffer: ``"bf16"`` or ``"int8"`` (the remainder in units of 1/256 of
+            the weight's bf16 spacing, stochastically rounded): 1 byte/param instead of 2 (default: ``"bf16"``).
 
     Attributes:
         skipped_steps: steps skipped because a gradient was inf/NaN (saved in ``state_dict()``).
@@ -154,49 +169,50 @@ class AdamW(Optimizer):
         state_storage: StateStorage = "memory",
         state_dir: str | os.PathLike | None = None,
         state_chunk_size: int = DEFAULT_STATE_CHUNK,
+        moments: str = "bf16",
+        compensation: str = "bf16",
         foreach: bool | None = None,
         fused: bool | None = None,
         **unsupported: Any,
     ) -> None:
         name = type(self).__name__
-        for option, value in unsupported.items():
-            if option not in _UNSUPPORTED_OFF:
+        for option in unsupported:
+            if option not in UNSUPPORTED_TORCH_OPTIONS:
                 raise TypeError(f"{name}() got an unexpected keyword argument {option!r}.")
-            if value != _UNSUPPORTED_OFF[option]:
-                raise ValueError(
-                    f"`{name}({option}={value!r})` is not supported by the pure-bf16 optimizer. Remove `{option}` or"
-                    " use a torch.optim optimizer with fp32 master weights."
-                )
+        for option, value in unsupported_torch_options(unsupported).items():
+            raise ValueError(
+                f"`{name}({option}={value!r})` is not supported by the pure-bf16 optimizer. Remove `{option}` or"
+                " use a torch.optim optimizer with fp32 master weights."
+            )
         if foreach or fused:
             flag = "foreach" if foreach else "fused"
             raise ValueError(
                 f"`{name}({flag}=True)` selects a torch.optim implementation; the pure-bf16 optimizer picks its own."
                 " Use `backend='triton'` or `backend='torch'` instead."
             )
-        if backend not in _BACKENDS:
-            raise ValueError(f"`backend={backend!r}` is not one of {_BACKENDS}.")
+        check_choice(name, "backend", backend, BACKENDS)
         if chunk_size <= 0 or chunk_size & (chunk_size - 1):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"`seed` must be a non-negative int or None, got {seed!r}.")
+        check_seed(name, seed)
         if backend == "triton" and not _TRITON_AVAILABLE:
             raise ModuleNotFoundError(
                 f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
             )
         _check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
-        if state_storage not in _STATE_STORAGES:
-            raise ValueError(f"`{name}(state_storage={state_storage!r})` is not one of {_STATE_STORAGES}.")
-        if state_storage == "mmap" and state_dir is None:
-            raise ValueError(
-                f"`{name}(state_storage='mmap')` needs `state_dir`: an existing directory for the state files, ideally"
-                " on a local NVMe disk."
-            )
-        if state_storage == "memory" and state_dir is not None:
-            raise ValueError(f"`{name}(state_dir=...)` is only used with `state_storage='mmap'`; pass both or neither.")
+        OptimizerOptions(
+            rounding=rounding,
+            backend=backend,
+            state_storage=state_storage,
+            state_dir=None if state_dir is None else os.fspath(state_dir),
+            moments=moments,
+            compensation=compensation,
+        ).check(name)
         if state_chunk_size < 1024 or state_chunk_size & (state_chunk_size - 1):
             raise ValueError(f"`state_chunk_size` must be a power of two >= 1024, got {state_chunk_size}.")
         self.state_storage = state_storage
         self.state_chunk_size = state_chunk_size
+        self.moments = moments
+        self.compensation = compensation
         self._store: MmapStateStore | None = None
         self._streamers: dict[tuple[torch.device, torch.dtype, int], StateStreamer] = {}
         self._closed = False
@@ -264,6 +280,12 @@ class AdamW(Optimizer):
         if self._store is None:
             return None
         return os.fspath(self._store.directory or self._store.root)
+
+    def set_storage_label(self, label: str) -> None:
+        """Name the state files' directory after ``label`` (a rank, say) instead of host and pid; before any state
+        exists. Does nothing with in-memory states."""
+        if self._store is not None:
+            self._store.label = label
 
     def close(self) -> None:
         """Remove the state files (``state_storage="mmap"``) and stop the streaming threads; idempotent.
@@ -369,7 +391,7 @@ class AdamW(Optimizer):
         if self._store is None:
             for p, _, keys in pending:
                 for key in keys:
-                    self.state[p][key] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                    self.state[p][key] = self._new_buffer(p, key)
             return
         for p, _, keys in pending:
             if self.state[p]["stream"] in self._store.files:
@@ -385,11 +407,50 @@ class AdamW(Optimizer):
             for key, flat in zip(self._buffer_keys(p, group), buffers):
                 self.state[p][key] = flat.view(p.shape)
 
-    @staticmethod
-    def _buffer_keys(p: torch.Tensor, group: dict[str, Any]) -> tuple[str, ...]:
+    def _buffer_keys(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[str, ...]:
+        keys: tuple[str, ...] = _BUFFER_KEYS[:2]
+        if self._int8_moments(p):
+            keys += _SCALE_KEYS
         if group["rounding"] == "kahan" and p.dtype == torch.bfloat16:
-            return _BUFFER_KEYS
-        return _BUFFER_KEYS[:2]
+            keys += _BUFFER_KEYS[2:]
+        return keys
+
+    def _int8_moments(self, p: torch.Tensor) -> bool:
+        return self.moments == "int8" and p.dtype == torch.bfloat16
+
+    def _new_buffer(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        if key in _SCALE_KEYS:
+            return torch.zeros(quant.scale_blocks(p.numel()), dtype=torch.bfloat16, device=p.device)
+        dtype = p.dtype
+        if self._int8_moments(p) and key in _BUFFER_KEYS[:2]:
+            dtype = torch.int8 if key == "exp_avg" else torch.uint8
+        elif key == "kahan_comp" and self.compensation == "int8":
+            dtype = torch.int8
+        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+
+    @torch.no_grad()
+    def dequantized_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The moments (and Kahan remainder) of ``p`` as float32 tensors of its shape, whatever their format.
+
+        For inspection, tests and conversion; an empty dict before ``p``'s state exists.
+        """
+        state = self.state.get(p, {})
+        out: dict[str, torch.Tensor] = {}
+        if "exp_avg" not in state:
+            return out
+        if state["exp_avg"].dtype == torch.int8:
+            out["exp_avg"] = quant.decode_m(state["exp_avg"].reshape(-1), state["exp_avg_scale"])
+            out["exp_avg_sq"] = quant.decode_v(state["exp_avg_sq"].reshape(-1), state["exp_avg_sq_scale"])
+        else:
+            out["exp_avg"] = state["exp_avg"].float()
+            out["exp_avg_sq"] = state["exp_avg_sq"].float()
+        if "kahan_comp" in state:
+            comp = state["kahan_comp"]
+            if comp.dtype == torch.int8:
+                out["kahan_comp"] = quant.decode_residual(comp.reshape(-1), p.detach().reshape(-1))
+            else:
+                out["kahan_comp"] = comp.float()
+        return {k: v.reshape(p.shape) for k, v in out.items()}
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
         grad = p.grad
@@ -410,6 +471,10 @@ class AdamW(Optimizer):
             rounding=rounding,
             keys=tuple(stream_key(self.seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
         )
+        if backend == "triton" and (
+            self._int8_moments(p) or (kahan_comp is not None and kahan_comp.dtype == torch.int8)
+        ):
+            backend = "torch"
         if backend == "triton":
             update: Callable[..., None] = _triton_update()
         elif backend == "cpu":
@@ -417,7 +482,8 @@ class AdamW(Optimizer):
         else:
             update = partial(adamw_update_torch_, chunk_size=self.chunk_size)
         if self._store is None:
-            update(p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp, args)
+            scales = {k: state[k] for k in _SCALE_KEYS if k in state}
+            update(p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp, args, **scales)
             return
         self._update_streamed(update, p, grad, state, kahan_comp is not None, args)
 
@@ -559,6 +625,7 @@ class AdamW(Optimizer):
             if extra is None:
                 sd = self._from_torch_state_dict(sd)
             loaded["extra"] = extra
+            loaded["dtypes"] = self._check_saved_formats(sd)
             if self._store is not None:
                 loaded["buffers"] = self._check_saved_buffers(sd)
                 sd["state"] = {
@@ -580,6 +647,7 @@ class AdamW(Optimizer):
                     if "stream" not in state:  # loaded from torch.optim
                         state["stream"] = self._next_stream
                         self._next_stream += 1
+            self._restore_formats(loaded["dtypes"])
             if self._store is not None:
                 self._load_buffers_into_files(loaded["buffers"])
 
@@ -603,7 +671,7 @@ class AdamW(Optimizer):
             )
         keys = {k for st in states.values() for k in st}
         if not keys <= {"step", "exp_avg", "exp_avg_sq"} or any(
-            g.get(option, off) != off for g in saved_groups for option, off in _UNSUPPORTED_OFF.items()
+            g.get(option, off) != off for g in saved_groups for option, off in UNSUPPORTED_TORCH_OPTIONS.items()
         ):
             raise KeyError(
                 f"{name}.load_state_dict: this state dict has no {_STATE_EXTRA_KEY!r} entry and is not a plain"
@@ -633,6 +701,57 @@ class AdamW(Optimizer):
             f" rounding={self.param_groups[0]['rounding']!r}."
         )
         return {**sd, "param_groups": groups}
+
+    def _check_saved_formats(self, sd: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.dtype]]]:
+        """Per parameter, the dtypes of its saved state tensors, after checking they suit this optimizer's formats
+        (before anything changes). torch's loader casts every state tensor to the parameter's dtype; the 8-bit codes
+        are cast back after it (their values are small integers, exact in bf16)."""
+        name = type(self).__name__
+        saved_ids = [i for g in sd.get("param_groups", []) for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        out = []
+        for index, p in zip(saved_ids, params):
+            st = sd.get("state", {}).get(index, {})
+            dtypes = {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
+            saved_int8 = dtypes.get("exp_avg") == torch.int8
+            if saved_int8 and not self._int8_moments(p):
+                raise ValueError(
+                    f"{name}.load_state_dict: the state dict holds 8-bit moments (saved with moments='int8'), this"
+                    f" optimizer keeps moments={self.moments!r}. Create it with `moments='int8'`."
+                )
+            if dtypes.get("kahan_comp") == torch.int8 and self.compensation != "int8":
+                raise ValueError(
+                    f"{name}.load_state_dict: the state dict holds an 8-bit Kahan buffer (compensation='int8'), this"
+                    f" optimizer keeps compensation={self.compensation!r}. Create it with `compensation='int8'`."
+                )
+            out.append((p, dtypes))
+        return out
+
+    def _restore_formats(self, saved: list[tuple[torch.Tensor, dict[str, torch.dtype]]]) -> None:
+        for p, dtypes in saved:
+            state = self.state.get(p)
+            if not state:
+                continue
+            for key, dtype in dtypes.items():
+                if key in state and state[key].dtype != dtype and not dtype.is_floating_point:
+                    state[key] = state[key].to(dtype)
+            # Saved in bf16 or float32 (or by torch.optim), loaded into 8-bit formats: encoded once, with noise of
+            # a stream of their own (step 0 is never an update step).
+            step_keys = [stream_key(self.seed, state["stream"], 0, b) for b in Buffer]
+            if self._int8_moments(p) and "exp_avg" in state and state["exp_avg"].is_floating_point():
+                m = state.pop("exp_avg").float().reshape(-1)
+                v = state.pop("exp_avg_sq").float().reshape(-1)
+                idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
+                m_scale, v_scale = quant.block_scales(m), quant.block_scales(v)
+                state["exp_avg"] = quant.encode_m(m, m_scale, random_bits(step_keys[1], 0, idx)).view(p.shape)
+                state["exp_avg_sq"] = quant.encode_v(v, v_scale, random_bits(step_keys[2], 0, idx)).view(p.shape)
+                state["exp_avg_scale"], state["exp_avg_sq_scale"] = m_scale, v_scale
+            comp = state.get("kahan_comp")
+            if comp is not None and self.compensation == "int8" and comp.is_floating_point():
+                idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
+                flat_p = p.detach().reshape(-1)
+                codes = quant.encode_residual(comp.float().reshape(-1), flat_p, random_bits(step_keys[0], 0, idx))
+                state["kahan_comp"] = codes.view(p.shape)
 
     def _check_saved_buffers(self, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""
@@ -714,8 +833,7 @@ def _check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_deca
         raise ValueError(f"`{name}(betas={betas!r})`: both betas must be in [0, 1).")
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
         raise ValueError(f"`{name}(weight_decay={weight_decay!r})`: weight decay must be a finite number >= 0.")
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"`{name}(rounding={rounding!r})` is not one of {ROUNDING_MODES}.")
+    check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 
 __all__ = ["Adam", "AdamW", "default_seed"]

@@ -123,9 +123,9 @@ def main(out: Path, opts: dict) -> None:
     if opts.get("no_alias_fix"):
         import contextlib
 
-        import lightning_pure_bf16.strategy as strategy_module
+        import lightning_pure_bf16._internals as internals
 
-        strategy_module.alias_bf16_master_partitions = contextlib.nullcontext
+        internals.alias_bf16_master_partitions = contextlib.nullcontext
     if opts.get("fake_free_bytes") is not None:
         import shutil
 

@@ -1,0 +1,351 @@
+"""The private surface: every access this package makes to DeepSpeed, Lightning and torch internals, in one module.
+
+Nothing else in the package reads a private attribute of another library or patches one of its methods. Every name is
+read directly, without a default that would hide a rename (a renamed attribute raises :class:`UpstreamChanged`
+naming it, instead of reporting 0 bytes or never logging a skipped step). :data:`PRIVATE_NAMES` lists each name with
+what it is expected to be and why the package needs it, and :data:`COPIED_UPSTREAM` the upstream code the package
+copies or replaces (as a fingerprint of each tested version's source); ``tests/test_upstream.py`` checks both against
+the installed versions, so an upgrade that changes one fails there, naming it.
+
+DeepSpeed bug worked around here (0.18.3 - 0.19.8 at least): ZeRO-3 master aliasing
+    ``DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions`` reuses the parameter partition as the master partition
+    only when ``partition.device == self.device``. ``self.device`` is a string (``'cpu'``, ``'cuda:0'``) and a
+    ``torch.device`` never equals a string, so with ``bf16_master_weights_and_grads`` it always allocates a second
+    bf16 copy of every partition (10 instead of 8 bytes/param). :func:`alias_bf16_master_partitions` presents
+    ``self.device`` as a ``torch.device`` while the partitions are created. Once aliased, DeepSpeed's copy back into
+    the parameter partition after each step is a copy of a tensor onto itself, which torch skips.
+    ``tests/test_upstream.py::test_master_aliasing_bug_and_fix`` shows the bug and the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib
+import inspect
+import os
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from weakref import ref
+
+import torch
+
+
+class UpstreamChanged(AttributeError):
+    """A private name of DeepSpeed, Lightning or torch the package relies on is missing from the installed version."""
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One private name relied on.
+
+    Attributes:
+        owner: ``"module:Qualname"`` of the class or module that holds it.
+        name: the attribute, method or marker.
+        kind: ``"attribute"`` (assigned as ``self.<name>`` in the class source), ``"method"`` (its leading parameters
+            are ``params``), ``"function"`` (a module-level callable whose leading parameters are ``params``) or
+            ``"marker"`` (the string appears in the owner's source).
+        why: what the package does with it, and where.
+        params: the expected leading parameter names (methods and functions).
+    """
+
+    owner: str
+    name: str
+    kind: str
+    why: str
+    params: tuple[str, ...] = ()
+
+
+_STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+_LIGHTNING_DS = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    # DeepSpeed ZeRO-3 optimizer
+    PrivateName(_STAGE3, "_create_fp32_partitions", "method", "wrapped to alias the master partition", ("self",)),
+    PrivateName(_STAGE3, "device", "attribute", "the string compared in _create_fp32_partitions (aliasing fix)"),
+    PrivateName(_STAGE3, "offload_optimizer", "attribute", "aliasing applies only without optimizer offload"),
+    PrivateName(_STAGE3, "fp16_partitioned_groups_flat", "attribute", "the bf16 parameter partitions (memory report)"),
+    PrivateName(_STAGE3, "fp32_partitioned_groups_flat", "attribute", "the master partitions the optimizer updates"),
+    PrivateName(_STAGE3, "sub_group_to_group_id", "attribute", "maps each flat partition to its param group"),
+    PrivateName(_STAGE3, "grad_partitions_flat_buffer", "attribute", "the gradient partition (memory report)"),
+    PrivateName(_STAGE3, "optimizer", "attribute", "the wrapped pure-bf16 optimizer"),
+    PrivateName(
+        "deepspeed.runtime.engine:DeepSpeedEngine", "skipped_steps", "attribute", "steps ZeRO-3 skipped on inf/NaN"
+    ),
+    PrivateName("deepspeed.accelerator", "set_accelerator", "function", "CPU fits on a GPU host", ("accel_obj",)),
+    # Lightning: methods of DeepSpeedStrategy the Trainer strategy overrides or calls
+    PrivateName(_LIGHTNING_DS, "_load_config", "method", "reads the user's DeepSpeed config", ("self", "config")),
+    PrivateName(_LIGHTNING_DS, "_init_deepspeed_distributed", "method", "the CPU (gloo) process group", ("self",)),
+    PrivateName(_LIGHTNING_DS, "_init_optimizers", "method", "torch AdamW/Adam adopted there", ("self",)),
+    PrivateName(_LIGHTNING_DS, "_initialize_deepspeed_train", "method", "states allocated after it", ("self", "model")),
+    PrivateName(
+        _LIGHTNING_DS,
+        "_setup_model_and_optimizer",
+        "method",
+        "replaced: DeepSpeed initialized with aliasing and a CPU device rank",
+        ("self", "model", "optimizer"),
+    ),
+    PrivateName(
+        _LIGHTNING_DS, "_initialize_deepspeed_inference", "method", "replaced: a CPU device rank", ("self", "model")
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.strategy:Strategy",
+        "_precision_plugin",
+        "attribute",
+        "the storage of the precision plugin property the strategy overrides",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.deepspeed",
+        "remove_module_hooks",
+        "function",
+        "inference setup, as Lightning's",
+        ("model",),
+    ),
+    PrivateName(
+        "lightning.pytorch.utilities._pytree", "LeafSpec()", "marker", "origin of a warning _warnings.py filters"
+    ),
+    # torch
+    PrivateName(
+        "torch.optim.lr_scheduler", "_wrapped_by_lr_sched", "marker", "set on the adopted optimizer's step (adoption)"
+    ),
+    PrivateName("torch.optim.lr_scheduler", "_opt_called", "marker", "set by that wrapper (adoption)"),
+    PrivateName(
+        "torch.distributed.distributed_c10d",
+        "`torch.distributed.all_gather_into_tensor` is deprecated",
+        "marker",
+        "a warning _warnings.py filters",
+    ),
+    PrivateName(
+        "torch.distributed.distributed_c10d",
+        "`torch.distributed.reduce_scatter_tensor` is deprecated",
+        "marker",
+        "a warning _warnings.py filters",
+    ),
+    PrivateName("torch.optim:Optimizer.load_state_dict", "self.__setstate__(", "marker", "AdamW.__setstate__"),
+    PrivateName(
+        "torch.utils.cpp_extension", "_get_build_directory", "function", "build.py's cache path", ("name", "verbose")
+    ),
+)
+
+# Upstream code this package copies or replaces, with the fingerprint (:func:`source_fingerprint`) of each tested
+# version. A fingerprint not listed means upstream changed the code: review the copy named in ``ours``, then add it.
+COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
+    f"{_LIGHTNING_DS}.setup_environment": {
+        "ours": "strategy.py DeepSpeedPureBF16Strategy.setup_environment (skips its CUDA-only check, keeps the rest)",
+        "tested": {"lightning 2.4.0, 2.6.6": "eff45e9c561444fb"},
+    },
+    f"{_LIGHTNING_DS}.setup_distributed": {
+        "ours": "strategy.py DeepSpeedPureBF16Strategy.setup_distributed (the same steps without the device check)",
+        "tested": {"lightning 2.4.0, 2.6.6": "6bc1df8ae7a74bf2"},
+    },
+    f"{_LIGHTNING_DS}._setup_model_and_optimizer": {
+        "ours": "strategy.py DeepSpeedPureBF16Strategy._setup_model_and_optimizer (with master aliasing)",
+        "tested": {"lightning 2.4.0, 2.6.6": "59238c2269096f11"},
+    },
+    f"{_LIGHTNING_DS}._initialize_deepspeed_inference": {
+        "ours": "strategy.py DeepSpeedPureBF16Strategy._initialize_deepspeed_inference (bf16 and ZeRO-3 only)",
+        "tested": {"lightning 2.4.0, 2.6.6": "2a71e4bda7726455"},
+    },
+    "torch.optim.lr_scheduler:LRScheduler.__init__.patch_track_step_called": {
+        "ours": "_internals.mark_step_for_lr_scheduler",
+        "tested": {"torch 2.13": "94239865ea263df3"},
+    },
+}
+
+
+# ------------------------------------------------------------------------------------------------------ resolution
+def resolve(owner: str) -> Any:
+    """The object named ``"module:Qualname"`` (or ``"module"``); a nested function is not resolvable this way."""
+    module_name, _, qualname = owner.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def source_fingerprint(target: str) -> str:
+    """A fingerprint of the code of ``"module:Qualname"`` that ignores formatting, comments, docstrings and type
+    annotations (what it does, not how it is written).
+
+    A trailing name below a function (``Class.method.inner``) fingerprints the function defined inside it.
+    """
+    try:
+        obj = resolve(target)
+        inner = None
+    except AttributeError:
+        outer, _, inner = target.rpartition(".")
+        obj = resolve(outer)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    node: ast.AST = tree.body[0]
+    if inner is not None:
+        node = next(n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n.name == inner)
+    for n in ast.walk(node):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n.returns = None
+        elif isinstance(n, ast.arg):
+            n.annotation = None
+        body = getattr(n, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            n.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+    return hashlib.sha256(ast.dump(node, annotate_fields=False).encode()).hexdigest()[:16]
+
+
+def _read(obj: Any, name: str, why: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise UpstreamChanged(
+            f"`{type(obj).__module__}.{type(obj).__qualname__}` has no attribute `{name}` ({why}). The installed"
+            " DeepSpeed/Lightning is not a version lightning_pure_bf16 supports: see the bounds in its pyproject.toml."
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------------------ DeepSpeed
+def use_cpu_deepspeed_accelerator_if_no_cuda() -> None:
+    """DeepSpeed picks its accelerator once, at first use; without CUDA it must be told to use the CPU before that."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def set_deepspeed_accelerator(device_type: str) -> None:
+    """Point DeepSpeed's accelerator at ``device_type`` (``"cpu"`` or ``"cuda"``), for this process and its children.
+
+    DeepSpeed picks its accelerator from what the machine has (CUDA whenever a GPU exists); a CPU fit on a GPU host
+    needs DeepSpeed's CPU accelerator, chosen before any engine exists.
+    """
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() == device_type:
+        return
+    if device_type == "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as accelerator_cls
+    else:
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as accelerator_cls
+    os.environ["DS_ACCELERATOR"] = device_type
+    set_accelerator(accelerator_cls())
+
+
+@contextmanager
+def alias_bf16_master_partitions() -> Iterator[None]:
+    """Within this context, ZeRO-3 uses the bf16 parameter partitions themselves as its bf16 master partitions."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
+
+    @functools.wraps(original)
+    def create_fp32_partitions(self: DeepSpeedZeroOptimizer_Stage3) -> None:
+        device = self.device
+        if isinstance(device, str) and not self.offload_optimizer:
+            self.device = torch.device(device)
+        try:
+            original(self)
+        finally:
+            self.device = device
+
+    DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create_fp32_partitions
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = original
+
+
+def zero3_param_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+    """This rank's flat bf16 parameter partitions, one per ZeRO-3 sub-group."""
+    flats = _read(zero_optimizer, "fp16_partitioned_groups_flat", "the bf16 parameter partitions")
+    return [t for t in flats if t is not None]
+
+
+def zero3_master_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+    """This rank's flat master partitions, one per sub-group (the parameter partitions themselves when aliased)."""
+    return list(_read(zero_optimizer, "fp32_partitioned_groups_flat", "the master partitions"))
+
+
+def zero3_grad_partition_buffer(zero_optimizer: Any) -> torch.Tensor | None:
+    """ZeRO-3's persistent flat gradient partition buffer (``None`` only while DeepSpeed has released it)."""
+    return _read(zero_optimizer, "grad_partitions_flat_buffer", "the gradient partition")
+
+
+def zero3_sub_groups(zero_optimizer: Any) -> Iterator[tuple[torch.Tensor, int]]:
+    """``(flat master partition, param group index)`` for every ZeRO-3 sub-group, in step order."""
+    group_ids = _read(zero_optimizer, "sub_group_to_group_id", "the param group of each sub-group")
+    for sub_group, flat in enumerate(zero3_master_partitions(zero_optimizer)):
+        yield flat, group_ids[sub_group]
+
+
+def zero3_inner_optimizer(zero_optimizer: Any) -> Any:
+    """The optimizer ZeRO-3 wraps (this package's AdamW under the strategy)."""
+    return _read(zero_optimizer, "optimizer", "the wrapped optimizer")
+
+
+def engine_skipped_steps(engine: Any) -> int:
+    """How many steps the DeepSpeed engine skipped because a gradient was inf/NaN."""
+    return int(_read(engine, "skipped_steps", "steps skipped on inf/NaN"))
+
+
+# ------------------------------------------------------------------------------------------------------ Lightning
+def lightning_remove_module_hooks(model: torch.nn.Module) -> None:
+    """Lightning's own clean-up of DeepSpeed's module hooks before an inference engine is built."""
+    from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+    remove_module_hooks(model)
+
+
+# ------------------------------------------------------------------------------------------------------ torch
+def mark_step_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` as torch's ``LRScheduler`` does for the optimizer it is built on.
+
+    A scheduler built on a torch optimizer that the strategy then replaced warns "lr_scheduler.step() before
+    optimizer.step()" unless the replacement's step carries the same marks.
+    """
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def cpp_extension_build_directory(name: str) -> str:
+    """Where torch's extension loader caches the compiled extension ``name``."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+__all__ = [
+    "COPIED_UPSTREAM",
+    "PRIVATE_NAMES",
+    "PrivateName",
+    "UpstreamChanged",
+    "alias_bf16_master_partitions",
+    "cpp_extension_build_directory",
+    "engine_skipped_steps",
+    "lightning_remove_module_hooks",
+    "mark_step_for_lr_scheduler",
+    "resolve",
+    "set_deepspeed_accelerator",
+    "source_fingerprint",
+    "use_cpu_deepspeed_accelerator_if_no_cuda",
+    "zero3_grad_partition_buffer",
+    "zero3_inner_optimizer",
+    "zero3_master_partitions",
+    "zero3_param_partitions",
+    "zero3_sub_groups",
+]
