@@ -3,5 +3,5 @@
 # CUDA against the PyTorch path, the strategy on one GPU with in-memory and file-backed states). Nothing here builds
 # the C++ CPU loop. Run it before benchmarks/gpu_performance.sh; results and logs in $OUT/gpu (or benchmarks/results/gpu).
 source "$(dirname "$0")/_gpu_common.sh"
-step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernel.py tests/test_gpu.py
+step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernel.py tests/test_int8_states.py tests/test_gpu.py
 finish

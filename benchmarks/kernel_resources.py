@@ -100,6 +100,66 @@ def compile_all(archs: tuple[int, ...]) -> list[dict]:
                     "cubin_bytes": len(compiled.asm["cubin"]),
                 }
             )
+    rows += compile_q8(archs)
+    return rows
+
+
+def _q8_signature(ints: str, q8m: bool, c8: bool) -> dict[str, str]:
+    return {
+        "p_ptr": "*bf16",
+        "g_ptr": "*bf16",
+        "m_ptr": "*i8" if q8m else "*bf16",
+        "v_ptr": "*u8" if q8m else "*bf16",
+        "ms_ptr": "*bf16",
+        "vs_ptr": "*bf16",
+        "c_ptr": "*i8" if c8 else "*bf16",
+        "n_elements": ints,
+        **dict.fromkeys(SCALARS, "fp32"),
+        **dict.fromkeys(("key_p", "key_m", "key_v"), "i32"),
+        "index_offset": ints,
+    }
+
+
+def compile_q8(archs: tuple[int, ...]) -> list[dict]:
+    """The 8-bit-state kernel: every rounding with 8-bit moments, and Kahan's 8-bit remainder with either moment
+    format; bf16 gradients, aligned pointers."""
+    rows = []
+    variants = [(r, True, False) for r in adamw_triton._ROUNDING_CODES] + [
+        ("kahan", True, True),
+        ("kahan", False, True),
+    ]
+    for arch, (rounding, q8m, c8), decoupled, ints in itertools.product(archs, variants, (True, False), ("i32", "i64")):
+        constants = {
+            "ROUNDING": adamw_triton._ROUNDING_CODES[rounding],
+            "DECOUPLED": decoupled,
+            "Q8M": q8m,
+            "C8": c8,
+            "BLOCK": adamw_triton.BLOCK_SIZE,
+        }
+        signature = {**_q8_signature(ints, q8m, c8), **dict.fromkeys(constants, "constexpr")}
+        names = list(signature)
+        pointers = [n for n in names if n.endswith("_ptr")]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, "n_elements")}
+        source = ASTSource(fn=adamw_triton._adamw_q8_kernel, signature=signature, constexprs=constants, attrs=attrs)
+        options = {"num_warps": adamw_triton.NUM_WARPS, "enable_fp_fusion": False}
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        registers, local = _usage(compiled.asm["cubin"])
+        states = ("int8 moments" if q8m else "bf16 moments") + (", int8 remainder" if c8 else "")
+        rows.append(
+            {
+                "arch": f"sm_{arch}",
+                "rounding": f"{rounding} ({states})",
+                "weight_decay": "decoupled" if decoupled else "L2",
+                "grad": "bf16",
+                "ints": ints,
+                "aligned": True,
+                "registers": registers,
+                "local_bytes": local,
+                "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
+                "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", compiled.asm["ptx"])),
+                "cubin_bytes": len(compiled.asm["cubin"]),
+            }
+        )
     return rows
 
 

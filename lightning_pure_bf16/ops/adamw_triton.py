@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_pure_bf16.ops import rng
+from lightning_pure_bf16.ops import quant, rng
 from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
 
 # 1024 elements per program: 4 warps x 32 lanes x 8 elements, 16-byte bf16 vectors per lane on the GPU.
@@ -160,6 +160,219 @@ def _adamw_kernel(
     tl.store(v_ptr + offsets, v_out, mask=mask)
 
 
+# ----------------------------------------------------------------------------------------------------- 8-bit states
+# ops/quant.py specifies the codes; these are its operations, in its order, one rounding each.
+_QBLOCK: tl.constexpr = tl.constexpr(quant.QBLOCK)
+
+
+@triton.jit
+def _random_word(key, hi, lo):
+    return _mix32(lo ^ _mix32(key.to(tl.uint32) ^ hi))
+
+
+@triton.jit
+def _uniform24(r):
+    return ((r >> 8) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _level(k, LEVELS: tl.constexpr, POWER: tl.constexpr):
+    t = tl.div_rn(k, tl.full(k.shape, LEVELS, tl.float32))
+    t2 = t * t
+    if POWER == 4:
+        t2 = t2 * t2
+    return t2
+
+
+@triton.jit
+def _encode(x, scale, r, LEVELS: tl.constexpr, POWER: tl.constexpr):
+    positive = scale > 0.0
+    a = tl.where(positive, tl.div_rn(tl.abs(x), tl.where(positive, scale, 1.0)), 0.0)
+    y = tl.sqrt_rn(a)
+    if POWER == 4:
+        y = tl.sqrt_rn(y)
+    k0 = tl.minimum((y * LEVELS).to(tl.int32), LEVELS - 1)
+    k0f = k0.to(tl.float32)
+    lo_level = _level(k0f, LEVELS, POWER)
+    hi_level = _level(k0f + 1.0, LEVELS, POWER)
+    frac = tl.minimum(tl.maximum(tl.div_rn(a - lo_level, hi_level - lo_level), 0.0), 1.0)
+    return k0 + (_uniform24(r) < frac).to(tl.int32)
+
+
+@triton.jit
+def _bf16_ceil(x):
+    return ((x.to(tl.uint32, bitcast=True) + 0xFFFF) & 0x7FFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _residual_unit(p):
+    # p: float32 holding a bf16 value; 1/256 of its bf16 spacing, a normal or subnormal power of two.
+    e = tl.maximum((p.to(tl.uint32, bitcast=True) >> 23) & 0xFF, 1)
+    normal = (tl.maximum(e, 16) - 15) << 23
+    subnormal = tl.full(e.shape, 1, tl.uint32) << (tl.minimum(e, 15) + 7)
+    return tl.where(e >= 16, normal, subnormal).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["key_p", "key_m", "key_v", "index_offset"])
+def _adamw_q8_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    ms_ptr,
+    vs_ptr,
+    c_ptr,
+    n_elements,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    decay,
+    neg_step_size,
+    inv_bias_correction2_sqrt,
+    key_p,
+    key_m,
+    key_v,
+    index_offset,
+    ROUNDING: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    Q8M: tl.constexpr,
+    C8: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # A tile of BLOCK // QBLOCK scale blocks (rows) of QBLOCK elements; index_offset is a multiple of BLOCK.
+    NB: tl.constexpr = BLOCK // _QBLOCK
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    rows = tl.arange(0, NB)
+    local = rows[:, None] * _QBLOCK + tl.arange(0, _QBLOCK)[None, :]
+    offsets = start + local
+    mask = offsets < n_elements
+    global_start = start + index_offset
+    hi = (global_start >> 32).to(tl.uint32)
+    lo = (global_start + local).to(tl.uint32)
+    block_ids = start // _QBLOCK + rows
+    block_mask = block_ids * _QBLOCK < n_elements
+
+    p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if Q8M:
+        m_scale = tl.load(ms_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
+        v_scale = tl.load(vs_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
+        mk = tl.load(m_ptr + offsets, mask=mask, other=0).to(tl.int32)
+        vk = tl.load(v_ptr + offsets, mask=mask, other=0).to(tl.int32)
+        m_abs = m_scale * _level(tl.abs(mk).to(tl.float32), 127, 2)
+        m = tl.where(mk < 0, -m_abs, m_abs)
+        v = v_scale * _level(vk.to(tl.float32), 255, 4)
+    else:
+        m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    if not DECOUPLED:
+        g = g + weight_decay * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * (g * g)
+    delta = tl.div_rn(m, tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps) * neg_step_size
+    if DECOUPLED:
+        delta = delta - decay * p
+
+    if ROUNDING == _ROUND_KAHAN:
+        if C8:
+            c = tl.load(c_ptr + offsets, mask=mask, other=0).to(tl.float32) * _residual_unit(p)
+            p_out = _nearest_round(p + (delta + c))
+            p_new = p_out.to(tl.float32)
+            t = tl.div_rn((c - (p_new - p)) + delta, _residual_unit(p_new))
+            k0 = tl.floor(t)
+            k = k0 + (_uniform24(_random_word(key_p, hi, lo)) < t - k0).to(tl.float32)
+            tl.store(c_ptr + offsets, tl.minimum(tl.maximum(k, -127.0), 127.0).to(tl.int8), mask=mask)
+        else:
+            c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            p_out = _nearest_round(p + (delta + c))
+            c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, key_p, hi, lo)
+            tl.store(c_ptr + offsets, c_new, mask=mask)
+    elif ROUNDING == _ROUND_STOCHASTIC:
+        p_out = _stochastic_round_sum(p, delta, key_p, hi, lo)
+    else:
+        p_out = _nearest_round(p + delta)
+    tl.store(p_ptr + offsets, p_out, mask=mask)
+
+    if Q8M:
+        new_m_scale = _bf16_ceil(tl.max(tl.abs(m), axis=1))
+        new_v_scale = _bf16_ceil(tl.max(tl.abs(v), axis=1))
+        tl.store(ms_ptr + block_ids, new_m_scale.to(tl.bfloat16), mask=block_mask)
+        tl.store(vs_ptr + block_ids, new_v_scale.to(tl.bfloat16), mask=block_mask)
+        mk = _encode(m, new_m_scale[:, None], _random_word(key_m, hi, lo), 127, 2)
+        tl.store(m_ptr + offsets, tl.where(m < 0, -mk, mk).to(tl.int8), mask=mask)
+        vk = _encode(v, new_v_scale[:, None], _random_word(key_v, hi, lo), 255, 4)
+        tl.store(v_ptr + offsets, vk.to(tl.uint8), mask=mask)
+    elif ROUNDING == _ROUND_NEAREST:
+        tl.store(m_ptr + offsets, _nearest_round(m), mask=mask)
+        tl.store(v_ptr + offsets, _nearest_round(v), mask=mask)
+    else:
+        tl.store(m_ptr + offsets, _stochastic_round(m, key_m, hi, lo), mask=mask)
+        tl.store(v_ptr + offsets, _stochastic_round(v, key_v, hi, lo), mask=mask)
+
+
+def _adamw_update_q8_triton_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    kahan_comp: torch.Tensor | None,
+    args: UpdateArgs,
+    exp_avg_scale: torch.Tensor | None,
+    exp_avg_sq_scale: torch.Tensor | None,
+    index_offset: int,
+) -> None:
+    n = param.numel()
+    q8m = exp_avg_scale is not None
+    c8 = args.rounding == "kahan" and kahan_comp is not None and kahan_comp.dtype == torch.int8
+    expected = {
+        "param": (param, torch.bfloat16, n),
+        "grad": (grad, None, n),
+        "exp_avg": (exp_avg, torch.int8 if q8m else torch.bfloat16, n),
+        "exp_avg_sq": (exp_avg_sq, torch.uint8 if q8m else torch.bfloat16, n),
+    }
+    if q8m:
+        blocks = quant.scale_blocks(n)
+        expected["exp_avg_scale"] = (exp_avg_scale, torch.bfloat16, blocks)
+        expected["exp_avg_sq_scale"] = (exp_avg_sq_scale, torch.bfloat16, blocks)
+    if args.rounding == "kahan":
+        expected["kahan_comp"] = (kahan_comp, torch.int8 if c8 else torch.bfloat16, n)
+    for name, (t, dtype, numel) in expected.items():
+        if t is None or not t.is_contiguous() or t.numel() != numel or t.device != param.device:
+            raise ValueError(
+                f"The Triton AdamW kernel: `{name}` must be a contiguous tensor of {numel} elements on {param.device}."
+            )
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"The Triton AdamW kernel needs {dtype} `{name}`, got {t.dtype}.")
+    grid = (triton.cdiv(n, BLOCK_SIZE),)
+    with torch.cuda.device(param.device) if param.is_cuda else nullcontext():
+        _adamw_q8_kernel[grid](
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            exp_avg_scale if q8m else param,
+            exp_avg_sq_scale if q8m else param,
+            kahan_comp if kahan_comp is not None else param,
+            n,
+            *args.scalars,
+            args.keys[0],
+            args.keys[1],
+            args.keys[2],
+            index_offset,
+            ROUNDING=_ROUNDING_CODES[args.rounding],
+            DECOUPLED=args.decoupled,
+            Q8M=q8m,
+            C8=c8,
+            BLOCK=BLOCK_SIZE,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,
+        )
+
+
 def adamw_update_triton_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -169,8 +382,11 @@ def adamw_update_triton_(
     args: UpdateArgs,
     *,
     index_offset: int = 0,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
-    """Apply one Adam/AdamW step in place with one kernel launch (bf16 ``param``, ``exp_avg``, ``exp_avg_sq``).
+    """Apply one Adam/AdamW step in place with one kernel launch (bf16 ``param``, ``exp_avg``, ``exp_avg_sq``, or
+    8-bit states with their scales).
 
     Same contract and same random bits as :func:`lightning_pure_bf16.ops.adamw_torch.adamw_update_torch_`; all
     buffers must be contiguous. ``index_offset`` (a multiple of ``BLOCK_SIZE``) is the index of the first element in
@@ -183,6 +399,11 @@ def adamw_update_triton_(
         raise ValueError(f"`index_offset={index_offset}` must be a non-negative multiple of {BLOCK_SIZE}.")
     if args.rounding == "kahan" and kahan_comp is None:
         raise ValueError("`rounding='kahan'` needs the compensation buffer.")
+    if exp_avg_scale is not None or (args.rounding == "kahan" and kahan_comp.dtype == torch.int8):  # type: ignore[union-attr]
+        _adamw_update_q8_triton_(
+            param, grad, exp_avg, exp_avg_sq, kahan_comp, args, exp_avg_scale, exp_avg_sq_scale, index_offset
+        )
+        return
     buffers = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if args.rounding == "kahan":
         buffers["kahan_comp"] = kahan_comp  # type: ignore[assignment]

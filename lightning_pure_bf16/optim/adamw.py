@@ -471,10 +471,6 @@ class AdamW(Optimizer):
             rounding=rounding,
             keys=tuple(stream_key(self.seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
         )
-        if backend == "triton" and (
-            self._int8_moments(p) or (kahan_comp is not None and kahan_comp.dtype == torch.int8)
-        ):
-            backend = "torch"
         if backend == "triton":
             update: Callable[..., None] = _triton_update()
         elif backend == "cpu":

@@ -1,0 +1,209 @@
+"""8-bit optimizer states: the codes (unbiased, always a neighbouring level), the backends (same bytes), the optimizer
+(memory, state dicts, conversion, errors) and the property that matters: a slowly moving second moment moves."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from lightning_pure_bf16 import Adam, AdamW
+from lightning_pure_bf16.ops import quant
+
+CPU_INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = ["torch", "cpu", *(["triton"] if CPU_INTERPRETED else [])]
+CONFIGS = [
+    {"moments": "int8"},
+    {"moments": "int8", "rounding": "kahan"},
+    {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
+    {"moments": "bf16", "rounding": "kahan", "compensation": "int8"},
+    {"moments": "int8", "rounding": "nearest"},
+]
+
+
+def _words(n, seed):
+    return torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------------------ codes
+def test_scale_is_the_smallest_bf16_at_or_above_the_largest_magnitude():
+    x = torch.randn(1000) * torch.logspace(-30, 30, 1000)
+    up = quant.bf16_ceil(x.abs()).float()
+    assert (up >= x.abs()).all()
+    below = torch.nextafter(up.bfloat16(), torch.zeros((), dtype=torch.bfloat16)).float()
+    assert (below < x.abs()).all()
+    assert quant.bf16_ceil(torch.zeros(1)).float().item() == 0.0
+
+
+@pytest.mark.parametrize("kind", ["m", "v"])
+def test_a_write_lands_on_one_of_the_two_neighbouring_levels_and_is_unbiased(kind):
+    n, draws = 4 * quant.QBLOCK, 4000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * torch.logspace(-5, 0, n)
+    if kind == "v":
+        x = x * x
+    encode, decode = (quant.encode_m, quant.decode_m) if kind == "m" else (quant.encode_v, quant.decode_v)
+    scales = quant.block_scales(x)
+    low = decode(encode(x, scales, torch.full((n,), -1, dtype=torch.int32)), scales)  # u just below 1: rounds down
+    high = decode(encode(x, scales, torch.zeros(n, dtype=torch.int32)), scales)  # u = 0: rounds up
+    assert (low.abs() <= x.abs() * (1 + 1e-6)).all() and (high.abs() >= x.abs() * (1 - 1e-6)).all()
+    total = torch.zeros(n, dtype=torch.float64)
+    for seed in range(draws):
+        out = decode(encode(x, scales, _words(n, seed)), scales).double()
+        assert ((out == low.double()) | (out == high.double())).all()
+        total += out
+    spacing = (high - low).double().abs()
+    error = (total / draws - x.double()).abs()
+    # The mean of `draws` two-valued draws is within 5 standard deviations (at most spacing / 2 / sqrt(draws)).
+    assert (error <= 5 * spacing / 2 / draws**0.5 + 1e-12 * x.double().abs()).all()
+
+
+def test_residual_unit_is_a_256th_of_the_bf16_spacing():
+    p = torch.tensor([1.0, -3.0, 1e-30, 2.0**-126, 1e-39, 0.0, 3e38], dtype=torch.bfloat16)
+    up = torch.nextafter(p.abs(), torch.full_like(p, float("inf")))
+    spacing = (up.double() - p.abs().double()) / 256
+    assert torch.equal(quant.residual_unit(p).double(), spacing)
+
+
+# ------------------------------------------------------------------------------------------------------- backends
+def _run(shape, backend, steps=3, opt_cls=AdamW, device="cpu", **kw):
+    init = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16)
+    p = init.to(device).requires_grad_()
+    opt = opt_cls([p], lr=1e-2, weight_decay=0.05, seed=11, backend=backend, **kw)
+    for t in range(steps):
+        p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(device)
+        opt.step()
+    return opt, p
+
+
+def _bytes(opt, p):
+    return [p.detach().view(torch.uint8)] + [
+        v.view(torch.uint8) for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.ndim
+    ]
+
+
+@pytest.mark.parametrize("shape", [(5,), (128,), (300, 7), ((1 << 15) + 77,)])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_backends_write_the_same_bytes(backend, config, shape):
+    reference = _bytes(*_run(shape, "torch", **config))
+    other = _bytes(*_run(shape, backend, **config))
+    assert len(other) == len(reference)
+    for a, b in zip(other, reference):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_cuda_kernel_writes_the_same_bytes_as_the_torch_path(config):
+    reference = _bytes(*_run(((1 << 20) + 77,), "torch", device="cuda", **config))
+    kernel = _bytes(*_run(((1 << 20) + 77,), "triton", device="cuda", **config))
+    assert all(torch.equal(a, b) for a, b in zip(kernel, reference))
+
+
+def test_adam_l2_decay_with_int8_moments_matches_too():
+    a = _bytes(*_run((1000,), "torch", opt_cls=Adam, moments="int8"))
+    b = _bytes(*_run((1000,), "cpu", opt_cls=Adam, moments="int8"))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------------------ optimizer
+@pytest.mark.parametrize(
+    ("config", "state_bytes"),
+    [
+        ({}, 4.0),
+        ({"moments": "int8"}, 2.0 + 4 / 128),
+        ({"moments": "int8", "rounding": "kahan", "compensation": "int8"}, 3.0 + 4 / 128),
+        ({"rounding": "kahan", "compensation": "int8"}, 5.0),
+    ],
+)
+def test_state_bytes_per_parameter(config, state_bytes):
+    opt, p = _run((64, 128), "auto", steps=1, **config)
+    held = sum(v.numel() * v.element_size() for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.ndim)
+    assert held / p.numel() == pytest.approx(state_bytes)
+
+
+def test_dequantized_state_has_the_parameter_shape_and_values():
+    opt, p = _run((40, 9), "auto", moments="int8", rounding="kahan", compensation="int8")
+    state = opt.dequantized_state(p)
+    assert set(state) == {"exp_avg", "exp_avg_sq", "kahan_comp"}
+    assert all(v.shape == p.shape and v.dtype == torch.float32 for v in state.values())
+    flat = opt.state[p]
+    assert torch.equal(state["exp_avg"].view(-1), quant.decode_m(flat["exp_avg"].view(-1), flat["exp_avg_scale"]))
+    assert (state["exp_avg_sq"] >= 0).all()
+    # The remainder is at most half a spacing of the weight: 128 units.
+    assert (state["kahan_comp"].abs() <= 128 * quant.residual_unit(p.detach())).all()
+
+
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_resume_from_a_state_dict_continues_bit_for_bit(config):
+    opt, p = _run((700,), "auto", steps=2, **config)
+    saved_p, saved = p.detach().clone(), copy.deepcopy(opt.state_dict())
+    for t in range(2):
+        p.grad = torch.randn(700, generator=torch.Generator().manual_seed(100 + t)).to(torch.bfloat16)
+        opt.step()
+    q = saved_p.clone().requires_grad_()
+    resumed = AdamW([q], lr=1e-2, weight_decay=0.05, backend="auto", **config)
+    resumed.load_state_dict(saved)
+    assert resumed.state[q]["exp_avg"].dtype == (torch.int8 if config.get("moments") == "int8" else torch.bfloat16)
+    for t in range(2):
+        q.grad = torch.randn(700, generator=torch.Generator().manual_seed(100 + t)).to(torch.bfloat16)
+        resumed.step()
+    assert all(torch.equal(a, b) for a, b in zip(_bytes(opt, p), _bytes(resumed, q)))
+
+
+def test_bf16_states_load_into_int8_ones_and_not_back():
+    opt, p = _run((500,), "auto", steps=3)
+    before = opt.dequantized_state(p)
+    q = p.detach().clone().requires_grad_()
+    int8 = AdamW([q], moments="int8")
+    int8.load_state_dict(opt.state_dict())
+    after = int8.dequantized_state(q)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert (after[key] - before[key]).abs().sum() <= 0.05 * before[key].abs().sum()
+    with pytest.raises(ValueError, match="8-bit moments.*moments='int8'"):
+        AdamW([p]).load_state_dict(int8.state_dict())
+
+
+def test_bad_formats_are_refused(tmp_path):
+    p = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="moments='int4'"):
+        AdamW([p], moments="int4")
+    with pytest.raises(ValueError, match="compensation='fp8'"):
+        AdamW([p], compensation="fp8")
+    with pytest.raises(ValueError, match="8-bit states .* stay in memory"):
+        AdamW([p], moments="int8", state_storage="mmap", state_dir=tmp_path)
+
+
+def test_float32_parameters_keep_float32_moments():
+    p = torch.ones(4, requires_grad=True)
+    p.grad = torch.ones(4)
+    opt = AdamW([p], moments="int8")
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in opt.state[p]
+
+
+# --------------------------------------------------------------------------------------------------- small changes
+def test_a_second_moment_changing_by_a_fifth_of_a_percent_a_step_follows_its_average():
+    """A saturated v, then a gradient 10% larger: v moves by about 0.2% a step, a tenth of the 8-bit spacing there
+    (about 5%); rounded to nearest it would never move. Stochastic writes follow the exact average."""
+    n, beta2 = 4096, 0.99
+    p = torch.zeros(n, dtype=torch.bfloat16, requires_grad=True)
+    # One large gradient per block sets the block scale; the rest are 10x smaller, so their v sits low in the code.
+    big = torch.zeros(n, dtype=torch.bool)
+    big[:: quant.QBLOCK] = True
+    opt = AdamW([p], lr=0.0, betas=(0.9, beta2), weight_decay=0.0, moments="int8", seed=3)
+
+    def steps(count, small_grad):
+        for _ in range(count):
+            p.grad = torch.where(big, 1.0, small_grad).to(torch.bfloat16)
+            opt.step()
+
+    steps(1000, 0.1)  # saturated: v = 0.01 within 5e-5
+    before = opt.dequantized_state(p)["exp_avg_sq"][~big].double().mean().item()
+    assert before == pytest.approx(0.01, rel=0.01)
+    steps(200, 0.11)
+    g2 = torch.tensor(0.11).bfloat16().double().item() ** 2
+    expected = g2 - (g2 - 0.01) * beta2**200
+    after = opt.dequantized_state(p)["exp_avg_sq"][~big].double().mean().item()
+    assert after == pytest.approx(expected, rel=0.01)  # rounding to nearest would leave it at 0.01: 15% off
