@@ -31,6 +31,8 @@ RESULTS = Path(__file__).parent / "results"
 CONFIGS = (
     "pure_bf16_stochastic",
     "pure_bf16_kahan",
+    "pure_bf16_int8",
+    "pure_bf16_int8_kahan",
     "pure_bf16_mmap",
     "pure_bf16_kahan_mmap",
     "deepspeed_bf16_master",
@@ -39,6 +41,8 @@ CONFIGS = (
 LABELS = {
     "pure_bf16_stochastic": "this strategy, stochastic rounding",
     "pure_bf16_kahan": "this strategy, Kahan",
+    "pure_bf16_int8": "this strategy, 8-bit moments, stochastic rounding",
+    "pure_bf16_int8_kahan": "this strategy, 8-bit moments, 8-bit Kahan remainder",
     "pure_bf16_mmap": "this strategy, stochastic rounding, states in mmap files",
     "pure_bf16_kahan_mmap": "this strategy, Kahan, states in mmap files",
     "deepspeed_bf16_master": "DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states",
@@ -73,7 +77,12 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     from lightning_pure_bf16 import AdamW
     from lightning_pure_bf16._internals import alias_bf16_master_partitions
     from lightning_pure_bf16.config import pure_bf16_deepspeed_config
-    from lightning_pure_bf16.memory import is_file_backed, reachable_tensors, zero3_model_state_report
+    from lightning_pure_bf16.memory import (
+        is_file_backed,
+        reachable_tensors,
+        zero3_model_state_report,
+        zero3_state_dtypes,
+    )
     from lightning_pure_bf16.strategy import init_zero3_optimizer_state
 
     if device == "cuda":
@@ -87,6 +96,10 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
         config = pure_bf16_deepspeed_config(base)
         rounding = "kahan" if "kahan" in name else "stochastic"
         storage = {"state_storage": "mmap", "state_dir": os.path.dirname(out)} if name.endswith("mmap") else {}
+        if "int8" in name:
+            storage["moments"] = "int8"
+            if "kahan" in name:
+                storage["compensation"] = "int8"
         optimizer: torch.optim.Optimizer = AdamW(model.parameters(), lr=1e-3, rounding=rounding, **storage)
         optimizer.check_nonfinite = False
         context = alias_bf16_master_partitions()
@@ -116,6 +129,7 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
         engine.backward(loss)
         engine.step()
     report = zero3_model_state_report(engine.optimizer)
+    report["dtypes"] = "; ".join(f"{k} {v}" for k, v in zero3_state_dtypes(engine.optimizer).items())
     tracked = sum(t.untyped_storage().nbytes() for _, t in reachable_tensors(engine.optimizer) if not is_file_backed(t))
     tracked += sum(p.untyped_storage().nbytes() for p in engine.module.parameters() if p.untyped_storage().nbytes())
     report["peak_per_param"] = (torch.cuda.max_memory_allocated() if device == "cuda" else tracked) / report[
@@ -139,7 +153,7 @@ def measure(name: str, world: int, width: int, depth: int, device: str) -> dict[
         mp.start_processes(
             _worker, args=(world, _free_port(), name, width, depth, device, out), nprocs=world, start_method="spawn"
         )
-        return torch.load(out, weights_only=True)
+        return torch.load(out, weights_only=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in CONFIGS:
         report = measure(name, world, width, depth, args.device)
-        rows.append({"config": name, **{k: round(v, 3) for k, v in report.items()}})
+        dtypes = report.pop("dtypes")
+        rows.append({"config": name, **{k: round(v, 3) for k, v in report.items()}, "dtypes": dtypes})
         print(f"{name:24s} {report['total']:.2f} B/param model state", file=sys.stderr)
 
     stem = "memory_quick" if args.quick else "memory"
@@ -188,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             f" {r['exp_avg_sq']:.2f} | {r['kahan_comp']:.2f} | **{r['total']:.2f}** | {r['total'] / reference:.2f}x |"
             f" {r['peak_per_param']:.2f} | {r['state_files']:.2f} |"
         )
+    lines += ["", "dtypes of each rank's buffers, by category:", ""]
+    lines += [f"- {LABELS[r['config']]}: {r['dtypes']}" for r in rows]
     lines += [
+        "",
+        "8-bit moments: one byte per element and a bf16 scale per 128 elements (0.016 B/param per moment, in the"
+        " exp_avg and exp_avg_sq columns).",
         "",
         "States in mmap files: the peak adds the two streaming slots, 2 x (2 or 3 buffers) x min(2**22, largest"
         " partition) bf16 elements (pinned host memory, and device memory on CUDA), a fixed cost that does not grow"

@@ -44,6 +44,14 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
                 " `state_storage='mmap', state_dir=...` to it, or return a `torch.optim.AdamW` and let the strategy"
                 " convert it."
             )
+        for option in ("moments", "compensation"):
+            wanted, given = getattr(options, option), getattr(optimizer, option)
+            if wanted != "bf16" and given != wanted:
+                raise ValueError(
+                    f"`{who}` keeps {option}={wanted!r}, but `{source}` returned"
+                    f" `{type(optimizer).__name__}({option}={given!r})`. Pass `{option}={wanted!r}` to it, or return a"
+                    " `torch.optim.AdamW` and let the strategy convert it."
+                )
         rank_zero_info(f"{who}: using the given {type(optimizer).__name__} as is.")
         return optimizer
     kind = type(optimizer)
@@ -74,7 +82,8 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
     n_params = sum(len(g["params"]) for g in groups)
     rank_zero_info(
         f"{who}: replaced torch.optim.{kind.__name__} with lightning_pure_bf16.{type(new).__name__}"
-        f"(rounding={options.rounding!r}, state_storage={options.state_storage!r}) on {len(groups)} param group(s),"
+        f"(rounding={options.rounding!r}, moments={options.moments!r}, state_storage={options.state_storage!r}) on"
+        f" {len(groups)} param group(s),"
         f" {n_params} tensors, same hyperparameters."
     )
     return new

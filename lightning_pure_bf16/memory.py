@@ -17,9 +17,18 @@ CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", 
 
 # Model-state bytes per trainable parameter under ZeRO-3, by category, for the configurations the project compares.
 # benchmarks/memory.py measures every one of them from live buffers; tests/test_plan.py checks the two agree.
-MODEL_STATE_BYTES: dict[str, dict[str, int]] = {
+MODEL_STATE_BYTES: dict[str, dict[str, float]] = {
     "pure_bf16_stochastic": {"param": 2, "grad": 2, "exp_avg": 2, "exp_avg_sq": 2},
     "pure_bf16_kahan": {"param": 2, "grad": 2, "exp_avg": 2, "exp_avg_sq": 2, "kahan_comp": 2},
+    # moments="int8": one byte per element plus a bf16 scale per ops.quant.QBLOCK (128) elements.
+    "pure_bf16_int8": {"param": 2, "grad": 2, "exp_avg": 1 + 2 / 128, "exp_avg_sq": 1 + 2 / 128},
+    "pure_bf16_int8_kahan": {
+        "param": 2,
+        "grad": 2,
+        "exp_avg": 1 + 2 / 128,
+        "exp_avg_sq": 1 + 2 / 128,
+        "kahan_comp": 1,
+    },
     # bf16_master_weights_and_grads + bf16_optimizer_states: a second bf16 copy as master.
     "deepspeed_bf16_master": {"param": 2, "grad": 2, "master": 2, "exp_avg": 2, "exp_avg_sq": 2},
     # DeepSpeed's bf16 default: fp32 master weights and fp32 moments.
@@ -35,7 +44,11 @@ STATE_FILE_BYTES: dict[str, int] = {"pure_bf16_mmap": 4, "pure_bf16_kahan_mmap":
 FROZEN_BYTES = 2
 
 
-def bytes_per_param(config: str) -> int:
+# Optimizer state keys counted with another category: an 8-bit moment's block scales belong to the moment.
+_STATE_CATEGORY = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}
+
+
+def bytes_per_param(config: str) -> float:
     """Model-state bytes per trainable parameter held in memory by one of :data:`MODEL_STATE_BYTES`' configurations
     (state files excluded)."""
     return sum(MODEL_STATE_BYTES[config].values())
@@ -81,12 +94,36 @@ def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
                 if is_file_backed(value):
                     in_files += _nbytes(value)
                 else:
-                    nbytes[key if key in nbytes else "other_state"] += _nbytes(value)
+                    category = _STATE_CATEGORY.get(key, key)
+                    nbytes[category if category in nbytes else "other_state"] += _nbytes(value)
     report = {k: v / max(n, 1) for k, v in nbytes.items()}
     report["total"] = sum(report.values())
     report["state_files"] = in_files / max(n, 1)
     report["params_on_rank"] = float(n)
     return report
+
+
+def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
+    """The dtype of every model-state category of a ZeRO-3 optimizer on this rank (``"int8, bfloat16"`` for an 8-bit
+    moment and its scales), as :func:`zero3_model_state_report` counts them."""
+    found: dict[str, set[str]] = {"param": set(), "grad": set(), "master": set()}
+    params = zero3_param_partitions(zero_optimizer)
+    found["param"] = {str(t.dtype).removeprefix("torch.") for t in params}
+    grad = zero3_grad_partition_buffer(zero_optimizer)
+    if grad is not None:
+        found["grad"] = {str(grad.dtype).removeprefix("torch.")}
+    ptrs = {t.data_ptr() for t in params}
+    found["master"] = {
+        str(t.dtype).removeprefix("torch.") for t in zero3_master_partitions(zero_optimizer) if t.data_ptr() not in ptrs
+    }
+    for state in zero3_inner_optimizer(zero_optimizer).state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                category = _STATE_CATEGORY.get(key, key)
+                found.setdefault(category if category in CATEGORIES else "other_state", set()).add(
+                    str(value.dtype).removeprefix("torch.")
+                )
+    return {k: ", ".join(sorted(v)) for k, v in found.items() if v}
 
 
 def format_report(report: dict[str, float]) -> str:
@@ -143,4 +180,5 @@ __all__ = [
     "format_report",
     "reachable_tensors",
     "zero3_model_state_report",
+    "zero3_state_dtypes",
 ]

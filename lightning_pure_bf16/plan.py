@@ -32,6 +32,8 @@ MMAP_STAGING_BYTES = 2 * 3 * DEFAULT_STATE_CHUNK * 2
 LABELS = {
     "pure_bf16_stochastic": "this strategy (stochastic rounding)",
     "pure_bf16_kahan": "this strategy (Kahan)",
+    "pure_bf16_int8": "this strategy, 8-bit moments (stochastic)",
+    "pure_bf16_int8_kahan": "this strategy, 8-bit moments + 8-bit Kahan",
     "pure_bf16_mmap": "this strategy (stochastic), states in mmap files",
     "pure_bf16_kahan_mmap": "this strategy (Kahan), states in mmap files",
     "deepspeed_bf16_master": "DeepSpeed bf16 masters (bf16_master_weights_and_grads)",
@@ -142,7 +144,7 @@ def _format(p: Plan) -> str:
     ]
     for config, label in LABELS.items():
         lines.append(
-            f"{label:56s} {p.bytes_per_param[config]:7.0f} {p.per_gpu_model_state_gib[config]:13.1f} GiB"
+            f"{label:56s} {p.bytes_per_param[config]:7.2f} {p.per_gpu_model_state_gib[config]:13.1f} GiB"
             f" {p.per_gpu_total_gib[config]:6.1f} GiB  {'yes' if p.fits[config] else 'NO'}"
         )
     lines += [

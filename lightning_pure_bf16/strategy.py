@@ -55,7 +55,7 @@ from lightning_pure_bf16.options import (
 )
 from lightning_pure_bf16.precision import PureBF16Precision
 
-_DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.2")
+_DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.8")
 # Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
 _ACCEPTED_PRECISION = ("32-true", "bf16-true")
 # DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
@@ -91,6 +91,11 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         state_dir: an existing, writable directory for the state files, ideally a local NVMe disk; with
             ``state_storage="mmap"`` taken from this argument, else the ``PURE_BF16_STATE_DIR`` environment variable,
             else the config's ``{"pure_bf16": {"state_dir": ...}}`` (default: ``None``).
+        moments: the format of both moments, ``"bf16"`` or ``"int8"`` (1 byte each plus a bf16 scale per 128
+            elements: 6 bytes/param of model state), used when the strategy converts a torch optimizer
+            (default: ``"bf16"``; ``strategy="deepspeed_pure_bf16_int8"``).
+        compensation: the Kahan buffer's format, ``"bf16"`` or ``"int8"`` (7 bytes/param with 8-bit moments)
+            (default: ``"bf16"``; ``strategy="deepspeed_pure_bf16_int8_kahan"``).
         **kwargs: passed to Lightning's ``DeepSpeedStrategy`` (``parallel_devices``, ``cluster_environment``,
             ``process_group_backend``, ``timeout``, ``logging_level``, ``load_full_weights``...).
     """
@@ -115,6 +120,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         synchronize_checkpoint_boundary: bool = False,
         state_storage: str = "memory",
         state_dir: str | os.PathLike | None = None,
+        moments: str = "bf16",
+        compensation: str = "bf16",
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision_plugin: Precision | None = None,
@@ -126,11 +133,13 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         name = self.strategy_name
         if not _DEEPSPEED_AVAILABLE:
             raise ModuleNotFoundError(
-                f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.2'`"
+                f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.8'`"
             )
         who = type(self).__name__
         check_zero3_arguments(who, stage, kwargs)
-        OptimizerOptions(rounding=rounding, seed=seed, backend=backend).check(who)
+        OptimizerOptions(
+            rounding=rounding, seed=seed, backend=backend, moments=moments, compensation=compensation
+        ).check(who)
         _internals.use_cpu_deepspeed_accelerator_if_no_cuda()
         silence_known_warnings()
         super().__init__(
@@ -165,7 +174,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             strategy_name=name,
             config_section=CONFIG_SECTION,
         )
-        self.optimizer_options = OptimizerOptions(rounding, seed, backend, state_storage, self.state_dir).check(who)
+        self.optimizer_options = OptimizerOptions(
+            rounding, seed, backend, state_storage, self.state_dir, moments, compensation
+        ).check(who)
         self.config = pure_bf16_deepspeed_config(self.config, user_config, strategy_name=name)
         user_zero = (user_config or {}).get("zero_optimization", {})
         self._default_buckets = [
@@ -202,6 +213,14 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             "deepspeed_pure_bf16_kahan": (
                 "DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation",
                 {"rounding": "kahan"},
+            ),
+            "deepspeed_pure_bf16_int8": (
+                "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments, stochastic rounding (6 bytes/param)",
+                {"moments": "int8"},
+            ),
+            "deepspeed_pure_bf16_int8_kahan": (
+                "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments and an 8-bit Kahan remainder (7 bytes/param)",
+                {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
             ),
             "deepspeed_pure_bf16_mmap": (
                 "DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or"

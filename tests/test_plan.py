@@ -21,6 +21,8 @@ def test_70b_on_8x80gb():
     assert p.bytes_per_param == {
         "pure_bf16_stochastic": 8.0,
         "pure_bf16_kahan": 10.0,
+        "pure_bf16_int8": 6.0 + 4 / 128,
+        "pure_bf16_int8_kahan": 7.0 + 4 / 128,
         "deepspeed_bf16_master": 10.0,
         "deepspeed_bf16_mixed": 16.0,
         "pure_bf16_mmap": 4.0,
@@ -101,3 +103,9 @@ def test_planner_agrees_with_measured_memory(tmp_path):
         for category, nbytes in MODEL_STATE_BYTES[config].items():
             assert float(row[category]) == pytest.approx(nbytes, rel=0.05), (config, category)
         assert float(row["state_files"]) == pytest.approx(STATE_FILE_BYTES.get(config, 0), rel=0.05), config
+    # 8-bit states, scales included, measured from the live buffers.
+    assert float(measured["pure_bf16_int8"]["total"]) <= 6.05
+    assert float(measured["pure_bf16_int8_kahan"]["total"]) <= 7.05
+    assert measured["pure_bf16_int8"]["dtypes"] == (
+        "param bfloat16; grad bfloat16; exp_avg bfloat16, int8; exp_avg_sq bfloat16, uint8"
+    )
