@@ -11,6 +11,16 @@ The four arms run twice: at the usual learning rate (3e-4) and at a fine-tuning 
     python benchmarks/convergence.py            # 1200 steps at lr 3e-4 and at lr 1e-5
     python benchmarks/convergence.py --quick    # 200 steps
 Writes benchmarks/results/convergence{,_quick}.{csv,md,png}.
+
+``--study int8`` compares 8-bit states with fp32 and with the peers that run on a CPU, side by side on the same model,
+data and schedule, at three learning rates and two seeds: fp32 ``torch.optim.AdamW``; this package's bf16 moments
+(stochastic rounding), 8-bit moments (``moments="int8"``) and 8-bit moments with an 8-bit Kahan remainder; torchao's
+``_AdamW(bf16_stochastic_round=True)`` and ``AdamW8bit(bf16_stochastic_round=True)``; bitsandbytes' ``AdamW8bit``
+(its bf16 weight writes round to nearest). A peer that does not import is left out, with a note.
+
+    python benchmarks/convergence.py --study int8            # 600 steps, lr 1e-4 / 3e-4 / 1e-3, seeds 0 and 1
+    python benchmarks/convergence.py --study int8 --quick    # 100 steps
+Writes benchmarks/results/convergence_int8{,_quick}.{csv,md,png}.
 """
 
 from __future__ import annotations
@@ -36,7 +46,52 @@ LABELS = {
     "nearest": "pure bf16, rounding='nearest'",
     "stochastic": "pure bf16, rounding='stochastic'",
     "kahan": "pure bf16, rounding='kahan'",
+    "int8": "pure bf16, moments='int8' (6 B/param)",
+    "int8_kahan": "pure bf16, moments='int8', 8-bit Kahan (7 B/param)",
+    "torchao_bf16_sr": "torchao _AdamW(bf16_stochastic_round=True)",
+    "torchao_8bit": "torchao AdamW8bit(bf16_stochastic_round=True)",
+    "bnb_8bit": "bitsandbytes AdamW8bit (bf16 weights, nearest)",
 }
+INT8_ARMS = ("fp32", "stochastic", "int8", "int8_kahan", "torchao_bf16_sr", "torchao_8bit", "bnb_8bit")
+PEERS = ("torchao_bf16_sr", "torchao_8bit", "bnb_8bit")
+INT8_LRS = (1e-4, 3e-4, 1e-3)
+INT8_SEEDS = (0, 1)
+
+
+def make_optimizer(arm: str, groups: list[dict], lr: float, seed: int) -> torch.optim.Optimizer:
+    """The optimizer of one arm (fp32 weights for "fp32", bf16 weights for every other)."""
+    betas = (0.9, 0.95)
+    if arm == "fp32":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    if arm in ("nearest", "stochastic", "kahan"):
+        return AdamW(groups, lr=lr, betas=betas, rounding=arm, seed=seed)
+    if arm == "int8":
+        return AdamW(groups, lr=lr, betas=betas, moments="int8", seed=seed)
+    if arm == "int8_kahan":
+        return AdamW(groups, lr=lr, betas=betas, rounding="kahan", moments="int8", compensation="int8", seed=seed)
+    if arm == "torchao_bf16_sr":
+        from torchao.optim import _AdamW
+
+        return _AdamW(groups, lr=lr, betas=betas, bf16_stochastic_round=True)
+    if arm == "torchao_8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(groups, lr=lr, betas=betas, bf16_stochastic_round=True)
+    if arm == "bnb_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def available(arm: str) -> str | None:
+    """``None`` when the arm can run here, else why not."""
+    try:
+        p = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16))
+        make_optimizer(arm, [{"params": [p], "weight_decay": 0.0}], 1e-3, 0)
+    except Exception as err:  # noqa: BLE001 - a peer that does not import or build is reported, not fatal
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def evaluate(model: GPT, val: ByteWindows, dtype: torch.dtype, batch: int, device: torch.device) -> float:
@@ -54,9 +109,16 @@ def evaluate(model: GPT, val: ByteWindows, dtype: torch.dtype, batch: int, devic
 
 
 def train_arm(
-    arm: str, lr: float, args: argparse.Namespace, train: ByteWindows, val: ByteWindows, device: torch.device
+    arm: str,
+    lr: float,
+    args: argparse.Namespace,
+    train: ByteWindows,
+    val: ByteWindows,
+    device: torch.device,
+    seed: int | None = None,
 ) -> list:
-    torch.manual_seed(args.seed)
+    seed = args.seed if seed is None else seed
+    torch.manual_seed(seed)
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(device)
     dtype = torch.float32 if arm == "fp32" else torch.bfloat16
@@ -64,10 +126,7 @@ def train_arm(
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if arm == "fp32":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    else:
-        opt = AdamW(groups, lr=lr, betas=(0.9, 0.95), rounding=arm, seed=args.seed)
+    opt = make_optimizer(arm, groups, lr, seed)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args.warmup, args.steps))
     curve = [(0, evaluate(model, val, dtype, args.batch_size, device))]
     start = time.perf_counter()
@@ -84,14 +143,15 @@ def train_arm(
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, evaluate(model, val, dtype, args.batch_size, device)))
     elapsed = time.perf_counter() - start
-    print(f"lr {lr:g} {arm:10s} final val loss {curve[-1][1]:.4f}  ({elapsed:.0f} s)", file=sys.stderr)
+    print(f"lr {lr:g} seed {seed} {arm:16s} final val loss {curve[-1][1]:.4f}  ({elapsed:.0f} s)", file=sys.stderr)
     return curve
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="200 steps")
-    parser.add_argument("--steps", type=int, default=None, help="default: 1200 (200 with --quick)")
+    parser.add_argument("--study", choices=("rounding", "int8"), default="rounding")
+    parser.add_argument("--quick", action="store_true", help="200 steps (int8 study: 100)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 1200, int8 study 600")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--small-lr", type=float, default=1e-5, help="the second set of arms; 0: none")
     parser.add_argument("--warmup", type=int, default=50)
@@ -107,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.study == "int8":
+        args.steps = args.steps or (100 if args.quick else 600)
+        args.warmup = min(args.warmup, args.steps // 10)
     args.steps = args.steps or (200 if args.quick else 1200)
     args.eval_every = args.eval_every or max(1, args.steps // 12)
     device = torch.device(args.device)
@@ -114,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     train_files, val_files = stdlib_files()
     train = ByteWindows(load_bytes(train_files), args.block_size, args.steps * args.batch_size, args.seed)
     val = ByteWindows(load_bytes(val_files), args.block_size, args.val_windows, args.seed + 1)
+    if args.study == "int8":
+        return int8_study(args, train, val, device)
     lrs = [args.lr] + ([args.small_lr] if args.small_lr else [])
     curves = {(arm, lr): train_arm(arm, lr, args, train, val, device) for lr in lrs for arm in ARMS}
 
@@ -162,6 +227,107 @@ def main(argv: list[str] | None = None) -> int:
         for arm in ARMS:
             loss = curves[arm, lr][-1][1]
             lines.append(f"| {lr:g} | {LABELS[arm]} | {loss:.4f} | {100 * (loss - ref) / ref:+.2f}% |")
+    lines += ["", f"![validation loss]({stem}.png)"]
+    write_results(args.out, stem, rows, lines, command, also=("png",))
+    return 0
+
+
+def int8_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, device: torch.device) -> int:
+    missing = {arm: why for arm in PEERS if (why := available(arm)) is not None}
+    arms = [arm for arm in INT8_ARMS if arm not in missing]
+    curves = {
+        (arm, lr, seed): train_arm(arm, lr, args, train, val, device, seed)
+        for lr in INT8_LRS
+        for seed in INT8_SEEDS
+        for arm in arms
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "convergence_int8_quick" if args.quick else "convergence_int8"
+    command = "python benchmarks/convergence.py --study int8" + (" --quick" if args.quick else "")
+    rows = [
+        {
+            "step": step,
+            **{
+                f"{arm}_lr{lr:g}_seed{seed}": f"{curves[arm, lr, seed][i][1]:.5f}"
+                for lr in INT8_LRS
+                for seed in INT8_SEEDS
+                for arm in arms
+            },
+        }
+        for i, (step, _) in enumerate(curves["fp32", INT8_LRS[0], INT8_SEEDS[0]])
+    ]
+
+    def final(arm: str, lr: float) -> list[float]:
+        return [curves[arm, lr, seed][-1][1] for seed in INT8_SEEDS]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_params = sum(
+        p.numel() for p in GPT(GPTConfig(args.block_size, 256, args.n_layer, args.n_head, args.n_embd)).parameters()
+    )
+    fig, axes = plt.subplots(1, len(INT8_LRS), figsize=(6.5 * len(INT8_LRS), 4.8), squeeze=False)
+    for ax, lr in zip(axes[0], INT8_LRS):
+        for arm in arms:
+            steps = [s for s, _ in curves[arm, lr, INT8_SEEDS[0]][1:]]
+            mean = [
+                sum(curves[arm, lr, seed][i][1] for seed in INT8_SEEDS) / len(INT8_SEEDS)
+                for i in range(1, len(steps) + 1)
+            ]
+            ax.plot(steps, mean, label=LABELS[arm], linestyle="--" if arm == "fp32" else "-")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"validation loss (nats/byte), mean of {len(INT8_SEEDS)} seeds")
+        ax.set_title(f"lr {lr:g}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Byte-level GPT ({n_params / 1e6:.2f}M params), stdlib source: 8-bit states and peers")
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+
+    lines = [
+        f"# Convergence of 8-bit optimizer states: byte-level GPT, {n_params:,} parameters, {args.steps} steps",
+        "",
+        f"Command: `{command}` (device: {args.device}). AdamW (warm-up {args.warmup} steps, cosine to 10%), betas"
+        f" (0.9, 0.95), weight decay {args.weight_decay} on matrices, batch {args.batch_size} x {args.block_size}"
+        f" bytes, {args.n_layer} layers x {args.n_embd} wide; per seed the same initial weights in every arm, the same"
+        f" data order for all; seeds {', '.join(map(str, INT8_SEEDS))}. Final validation loss: mean over seeds, and"
+        " half the seed-to-seed range (the spread).",
+        "",
+        "| learning rate | arm | final validation loss | seed spread | gap to fp32 (mean) | gap per seed |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    summary = []
+    for lr in INT8_LRS:
+        ref = final("fp32", lr)
+        for arm in arms:
+            losses = final(arm, lr)
+            mean = sum(losses) / len(losses)
+            gap = 100 * (mean - sum(ref) / len(ref)) / (sum(ref) / len(ref))
+            per_seed = ", ".join(f"{100 * (x - r) / r:+.2f}%" for x, r in zip(losses, ref))
+            spread = (max(losses) - min(losses)) / 2
+            lines.append(f"| {lr:g} | {LABELS[arm]} | {mean:.4f} | {spread:.4f} | {gap:+.2f}% | {per_seed} |")
+            summary.append((lr, arm, gap, 100 * spread / (sum(ref) / len(ref))))
+    best_peer = {
+        lr: min(((gap, sp) for lr_, arm, gap, sp in summary if lr_ == lr and arm in PEERS), default=None)
+        for lr in INT8_LRS
+    }
+    lines += [
+        "",
+        "Goal: each 8-bit arm of this package within 0.5% of fp32, and no worse than the best peer by more than the"
+        " seed spread (the larger of the two arms' spreads, in % of fp32's loss):",
+        "",
+    ]
+    for lr, arm, gap, spread_pct in summary:
+        if arm in ("int8", "int8_kahan"):
+            peer = best_peer[lr]
+            ok = gap <= 0.5 and (peer is None or gap <= peer[0] + max(spread_pct, peer[1]))
+            peer_text = f"best peer {peer[0]:+.2f}% +- {peer[1]:.2f}%" if peer is not None else "no peer ran"
+            verdict = "met" if ok else "missed"
+            lines.append(f"- lr {lr:g}, {LABELS[arm]}: {gap:+.2f}% +- {spread_pct:.2f}% ({peer_text}): {verdict}")
+    for arm, why in missing.items():
+        lines.append(f"- {LABELS[arm]}: not run here ({why[:200]})")
     lines += ["", f"![validation loss]({stem}.png)"]
     write_results(args.out, stem, rows, lines, command, also=("png",))
     return 0

@@ -137,19 +137,19 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
 COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
     f"{_LIGHTNING_DS}.setup_environment": {
         "ours": "strategy.py DeepSpeedPureBF16Strategy.setup_environment (skips its CUDA-only check, keeps the rest)",
-        "tested": {"lightning 2.5.5, 2.6.6": "eff45e9c561444fb"},
+        "tested": {"lightning 2.6.0, 2.6.6": "eff45e9c561444fb"},
     },
     f"{_LIGHTNING_DS}.setup_distributed": {
         "ours": "strategy.py DeepSpeedPureBF16Strategy.setup_distributed (the same steps without the device check)",
-        "tested": {"lightning 2.5.5, 2.6.6": "6bc1df8ae7a74bf2"},
+        "tested": {"lightning 2.6.0, 2.6.6": "6bc1df8ae7a74bf2"},
     },
     f"{_LIGHTNING_DS}._setup_model_and_optimizer": {
         "ours": "strategy.py DeepSpeedPureBF16Strategy._setup_model_and_optimizer (with master aliasing)",
-        "tested": {"lightning 2.5.5, 2.6.6": "59238c2269096f11"},
+        "tested": {"lightning 2.6.0, 2.6.6": "59238c2269096f11"},
     },
     f"{_LIGHTNING_DS}._initialize_deepspeed_inference": {
         "ours": "strategy.py DeepSpeedPureBF16Strategy._initialize_deepspeed_inference (bf16 and ZeRO-3 only)",
-        "tested": {"lightning 2.5.5, 2.6.6": "2a71e4bda7726455"},
+        "tested": {"lightning 2.6.0, 2.6.6": "2a71e4bda7726455"},
     },
     "torch.optim.lr_scheduler:LRScheduler.__init__.patch_track_step_called": {
         "ours": "_internals.mark_step_for_lr_scheduler",

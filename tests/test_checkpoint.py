@@ -48,6 +48,36 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(uninterrupted, resumed):
         assert b["losses"] == a["losses"][8:]
 
 
+INT8_RUN = {**RUN, "strategy": {"rounding": "kahan", "moments": "int8", "compensation": "int8"}}
+
+
+@pytest.fixture(scope="module")
+def int8_runs(tmp_path_factory):
+    whole = tmp_path_factory.mktemp("int8_uninterrupted")
+    fit(whole, steps=11, ckpt_every=8, **INT8_RUN)
+    resumed = tmp_path_factory.mktemp("int8_resumed")
+    fit(resumed, steps=11, ckpt_path=str(whole / "ckpts" / "epoch=0-step=8.ckpt"), **INT8_RUN)
+    return load_ranks(whole), load_ranks(resumed)
+
+
+def test_int8_states_are_7_bytes_per_param_and_resume_bit_for_bit(int8_runs):
+    uninterrupted, resumed = int8_runs
+    for a, b in zip(uninterrupted, resumed):
+        report = a["memory_report"]
+        assert 7.0 <= report["total"] <= 7.05 and report["kahan_comp"] == pytest.approx(1.0)
+        assert b["global_step"] == a["global_step"] == 11 and b["losses"] == a["losses"][8:]
+        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
+            assert torch.equal(x[real], y[real])
+        for sa, sb, real in zip(a["state"].values(), b["state"].values(), a["real_masks"]):
+            assert sa["exp_avg"].dtype == torch.int8 and sa["exp_avg_sq"].dtype == torch.uint8
+            assert sa["kahan_comp"].dtype == torch.int8
+            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+                assert torch.equal(sa[key][real], sb[key][real]), key
+            for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+                assert torch.equal(sa[key], sb[key]), key
+        assert b["seed"] == a["seed"] and b["skipped_steps"] == a["skipped_steps"] == 1
+
+
 def _assert_same_final_state(expected: list[dict], got: list[dict]) -> None:
     for a, b in zip(expected, got):
         assert b["global_step"] == a["global_step"] == 11

@@ -55,6 +55,12 @@ def _state_buffers(result: dict) -> list[tuple[str, torch.dtype, int]]:
 def test_registered_names():
     assert {"deepspeed_pure_bf16", "deepspeed_pure_bf16_kahan"} <= set(StrategyRegistry)
     assert StrategyRegistry["deepspeed_pure_bf16_kahan"]["init_params"] == {"rounding": "kahan"}
+    assert StrategyRegistry["deepspeed_pure_bf16_int8"]["init_params"] == {"moments": "int8"}
+    assert StrategyRegistry["deepspeed_pure_bf16_int8_kahan"]["init_params"] == {
+        "moments": "int8",
+        "rounding": "kahan",
+        "compensation": "int8",
+    }
     DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)  # a second import must not fail
 
 
