@@ -18,7 +18,7 @@ data and schedule, at three learning rates and two seeds: fp32 ``torch.optim.Ada
 ``_AdamW(bf16_stochastic_round=True)`` and ``AdamW8bit(bf16_stochastic_round=True)``; bitsandbytes' ``AdamW8bit``
 (its bf16 weight writes round to nearest). A peer that does not import is left out, with a note.
 
-    python benchmarks/convergence.py --study int8            # 600 steps, lr 1e-4 / 3e-4 / 1e-3, seeds 0 and 1
+    python benchmarks/convergence.py --study int8            # 400 steps, lr 1e-4 / 3e-4 / 1e-3, seeds 0 and 1
     python benchmarks/convergence.py --study int8 --quick    # 100 steps
 Writes benchmarks/results/convergence_int8{,_quick}.{csv,md,png}.
 """
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.study == "int8":
-        args.steps = args.steps or (100 if args.quick else 600)
+        args.steps = args.steps or (100 if args.quick else 400)
         args.warmup = min(args.warmup, args.steps // 10)
     args.steps = args.steps or (200 if args.quick else 1200)
     args.eval_every = args.eval_every or max(1, args.steps // 12)

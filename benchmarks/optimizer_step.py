@@ -23,7 +23,9 @@ from lightning_pure_bf16 import AdamW
 RESULTS = Path(__file__).parent / "results"
 # One transformer block at d_model=2048 (attention qkv + out, 4x MLP, two norms): typical per-tensor shapes.
 LAYER_SHAPES = [(6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192), (2048,), (2048,)]
-BYTES_PER_PARAM = {"stochastic": 14, "nearest": 14, "kahan": 18, "torch": 14}
+# Bytes moved per parameter and step: read and write p, m, v (and the Kahan buffer), read g; 8-bit states move one
+# byte per moment (and remainder) each way, plus their scales (1/64 of a byte).
+BYTES_PER_PARAM = {"stochastic": 14, "nearest": 14, "kahan": 18, "torch": 14, "int8": 10, "int8_kahan": 12}
 
 
 def _sync(device: torch.device) -> None:
@@ -66,6 +68,22 @@ def _candidates(device: torch.device) -> list[tuple[str, str, Callable[[list[tor
                     lambda ps, r=rounding, b=backend: AdamW(ps, lr=1e-4, rounding=r, backend=b, seed=0),
                 )
             )
+        cands.append(
+            (
+                f"pure_bf16 int8 moments ({backend})",
+                "int8",
+                lambda ps, b=backend: AdamW(ps, lr=1e-4, moments="int8", backend=b, seed=0),
+            )
+        )
+        cands.append(
+            (
+                f"pure_bf16 int8 moments + int8 Kahan ({backend})",
+                "int8_kahan",
+                lambda ps, b=backend: AdamW(
+                    ps, lr=1e-4, rounding="kahan", moments="int8", compensation="int8", backend=b, seed=0
+                ),
+            )
+        )
     cands.append(("torch.optim.AdamW foreach", "torch", lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)))
     cands.append(("torch.optim.AdamW fused", "torch", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)))
     return cands

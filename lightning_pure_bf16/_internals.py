@@ -127,6 +127,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "a warning _warnings.py filters",
     ),
     PrivateName("torch.optim:Optimizer.load_state_dict", "self.__setstate__(", "marker", "AdamW.__setstate__"),
+    PrivateName("torch.cpu", "get_capabilities", "function", "precision.py: does this CPU have bf16 dot products"),
     PrivateName(
         "torch.utils.cpp_extension", "_get_build_directory", "function", "build.py's cache path", ("name", "verbose")
     ),

@@ -57,11 +57,13 @@ def int8_runs(tmp_path_factory):
     fit(whole, steps=11, ckpt_every=8, **INT8_RUN)
     resumed = tmp_path_factory.mktemp("int8_resumed")
     fit(resumed, steps=11, ckpt_path=str(whole / "ckpts" / "epoch=0-step=8.ckpt"), **INT8_RUN)
-    return load_ranks(whole), load_ranks(resumed)
+    return load_ranks(whole), load_ranks(resumed), whole
 
 
 def test_int8_states_are_7_bytes_per_param_and_resume_bit_for_bit(int8_runs):
-    uninterrupted, resumed = int8_runs
+    uninterrupted, resumed, whole = int8_runs
+    weights = consolidate_checkpoint(whole / "ckpts" / "epoch=0-step=8.ckpt")
+    assert weights and all(t.dtype == torch.bfloat16 and torch.isfinite(t.float()).all() for t in weights.values())
     for a, b in zip(uninterrupted, resumed):
         report = a["memory_report"]
         assert 7.0 <= report["total"] <= 7.05 and report["kahan_comp"] == pytest.approx(1.0)
