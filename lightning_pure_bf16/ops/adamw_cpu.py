@@ -169,35 +169,49 @@ void dispatch_decay(bool l2, bool decoupled, uint16_t* P, const uint16_t* G, uin
 // ---------------------------------------------------------------------------------------------- 8-bit states
 // ops/quant.py specifies the codes and explains them; these are its operations, in its order, one rounding each.
 PB16_INLINE float uniform24(uint32_t r) { return static_cast<float>(r >> 8) * 5.9604644775390625e-08f; }
-PB16_INLINE float level_m(float k) { const float t = k / 127.0f; return t * t; }
-PB16_INLINE float level_v(float k) { const float t = k / 255.0f; const float t2 = t * t; return t2 * t2; }
+PB16_INLINE float level_m_of(float k) { const float t = k / 127.0f; return t * t; }
+PB16_INLINE float level_v_of(float k) { const float t = k / 255.0f; const float t2 = t * t; return t2 * t2; }
+// The levels as tables (computed once with the same float32 operations, so the same values): a lookup instead of
+// two divisions per level in the loops.
+struct Levels {
+  float m[129];
+  float v[257];
+  Levels() {
+    for (int k = 0; k <= 128; ++k) m[k] = level_m_of(static_cast<float>(k));
+    for (int k = 0; k <= 256; ++k) v[k] = level_v_of(static_cast<float>(k));
+  }
+};
+const Levels& levels() {
+  static const Levels table;
+  return table;
+}
 PB16_INLINE uint16_t bf16_ceil(float x) { return static_cast<uint16_t>(((bits_of(x) + 0xFFFFu) & 0x7FFF0000u) >> 16); }
 PB16_INLINE float normalized(float x, float scale) { return scale > 0.0f ? std::fabs(x) / scale : 0.0f; }
-PB16_INLINE int8_t encode_m(float x, float scale, uint32_t r) {
+PB16_INLINE int8_t encode_m(float x, float scale, uint32_t r, const float* __restrict__ lm) {
   const float a = normalized(x, scale);
   const int32_t k0 = std::min(static_cast<int32_t>(std::sqrt(a) * 127.0f), 126);
-  const float lo = level_m(static_cast<float>(k0)), hi = level_m(static_cast<float>(k0) + 1.0f);
+  const float lo = lm[k0], hi = lm[k0 + 1];
   const float frac = std::min(std::max((a - lo) / (hi - lo), 0.0f), 1.0f);
   const int32_t k = k0 + static_cast<int32_t>(uniform24(r) < frac);
   return static_cast<int8_t>(x < 0.0f ? -k : k);
 }
-PB16_INLINE float decode_m(int8_t code, float scale) {
+PB16_INLINE float decode_m(int8_t code, float scale, const float* __restrict__ lm) {
   const int32_t k = code;
-  const float value = scale * level_m(static_cast<float>(k < 0 ? -k : k));
+  const float value = scale * lm[k < 0 ? -k : k];
   return k < 0 ? -value : value;
 }
-PB16_INLINE uint8_t encode_v(float x, float scale, uint32_t r) {
+PB16_INLINE uint8_t encode_v(float x, float scale, uint32_t r, const float* __restrict__ lv) {
   const float a = normalized(x, scale);
   const int32_t k0 = std::min(static_cast<int32_t>(std::sqrt(std::sqrt(a)) * 255.0f), 254);
-  const float lo = level_v(static_cast<float>(k0)), hi = level_v(static_cast<float>(k0) + 1.0f);
+  const float lo = lv[k0], hi = lv[k0 + 1];
   const float frac = std::min(std::max((a - lo) / (hi - lo), 0.0f), 1.0f);
   return static_cast<uint8_t>(k0 + static_cast<int32_t>(uniform24(r) < frac));
 }
-PB16_INLINE float decode_v(uint8_t code, float scale) { return scale * level_v(static_cast<float>(code)); }
+PB16_INLINE float decode_v(uint8_t code, float scale, const float* __restrict__ lv) { return scale * lv[code]; }
 // 1/256 of the bf16 spacing of the bf16 weight p: a power of two, normal or subnormal.
 PB16_INLINE float residual_unit(uint16_t p) {
   const uint32_t e = std::max<uint32_t>((p >> 7) & 0xFFu, 1u);
-  return e >= 16 ? float_of((e - 15u) << 23) : float_of(1u << (e + 7u));
+  return e >= 16 ? float_of((e - 15u) << 23) : float_of(1u << (std::min<uint32_t>(e, 15u) + 7u));
 }
 PB16_INLINE int8_t encode_residual(float c, uint16_t p_out, uint32_t r) {
   const float t = c / residual_unit(p_out);
@@ -208,81 +222,108 @@ PB16_INLINE int8_t encode_residual(float c, uint16_t p_out, uint32_t r) {
 
 constexpr int64_t QBLOCK = 128;
 
-// Blocks of QBLOCK elements [qb_begin, qb_end): moments bf16 or 8-bit (Q8M), the Kahan remainder bf16 or 8-bit (C8).
-// Each block is decoded, updated (the parameter written), then its new scales found and its moments encoded.
-template <int ROUNDING, bool L2, bool DECOUPLED, bool Q8M, bool C8>
-void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, void* __restrict__ Mv,
-                      void* __restrict__ Vv, uint16_t* __restrict__ MS, uint16_t* __restrict__ VS,
-                      void* __restrict__ Cv, int64_t n, int64_t qb_begin, int64_t qb_end, const Scalars& s,
-                      int64_t key_p, int64_t key_m, int64_t key_v, int64_t offset) {
+// Blocks of QBLOCK elements [qb_begin, qb_end): moments bf16 (MT = VT = uint16_t) or 8-bit (int8_t, uint8_t), the
+// Kahan remainder bf16 (CT = uint16_t) or 8-bit (int8_t). Each block is decoded and updated (the parameter written),
+// then its new scales found and its moments encoded. Typed restrict pointers: no aliasing for the compiler to fear.
+template <int ROUNDING, bool L2, bool DECOUPLED, typename MT, typename VT, typename CT>
+void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, MT* __restrict__ M,
+                      VT* __restrict__ V, uint16_t* __restrict__ MS, uint16_t* __restrict__ VS, CT* __restrict__ C,
+                      int64_t n, int64_t qb_begin, int64_t qb_end, const Scalars& s, int64_t key_p, int64_t key_m,
+                      int64_t key_v, int64_t offset) {
+  constexpr bool Q8M = sizeof(MT) == 1;
+  constexpr bool C8 = sizeof(CT) == 1;
+  const float* __restrict__ lm = levels().m;
+  const float* __restrict__ lv = levels().v;
   float mbuf[QBLOCK], vbuf[QBLOCK];
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-    const int64_t begin = qb * QBLOCK, end = std::min(begin + QBLOCK, n);
+    const int64_t begin = qb * QBLOCK, count = std::min(QBLOCK, n - begin);
     const int64_t global = begin + offset;  // offset is a multiple of QBLOCK: one high index word per block
-    const uint32_t hi = static_cast<uint32_t>(global >> 32);
+    const uint32_t hi = static_cast<uint32_t>(global >> 32), lo0 = static_cast<uint32_t>(global);
     const uint32_t kp = mix32(static_cast<uint32_t>(key_p) ^ hi), km = mix32(static_cast<uint32_t>(key_m) ^ hi),
                    kv = mix32(static_cast<uint32_t>(key_v) ^ hi);
-    const float m_scale = Q8M ? widen(MS[qb]) : 0.0f, v_scale = Q8M ? widen(VS[qb]) : 0.0f;
-    float m_max = 0.0f, v_max = 0.0f;
-    for (int64_t i = begin; i < end; ++i) {
-      const uint32_t lo = static_cast<uint32_t>(i + offset);
-      const float p = widen(P[i]);
-      float g = widen(G[i]);
-      float m = Q8M ? decode_m(static_cast<int8_t*>(Mv)[i], m_scale) : widen(static_cast<uint16_t*>(Mv)[i]);
-      float v = Q8M ? decode_v(static_cast<uint8_t*>(Vv)[i], v_scale) : widen(static_cast<uint16_t*>(Vv)[i]);
+    uint16_t* __restrict__ Pb = P + begin;
+    const uint16_t* __restrict__ Gb = G + begin;
+    MT* __restrict__ Mb = M + begin;
+    VT* __restrict__ Vb = V + begin;
+    CT* __restrict__ Cb = ROUNDING == 2 ? C + begin : nullptr;
+    // Separate simple loops, each of which the compiler can vectorize: decode, update, block maximum, encode.
+    if constexpr (Q8M) {
+      const float m_scale = widen(MS[qb]), v_scale = widen(VS[qb]);
+      for (int64_t j = 0; j < count; ++j) {
+        mbuf[j] = decode_m(Mb[j], m_scale, lm);
+        vbuf[j] = decode_v(Vb[j], v_scale, lv);
+      }
+    } else {
+      for (int64_t j = 0; j < count; ++j) {
+        mbuf[j] = widen(Mb[j]);
+        vbuf[j] = widen(Vb[j]);
+      }
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+      const float p = widen(Pb[j]);
+      float g = widen(Gb[j]);
+      float m = mbuf[j], v = vbuf[j];
       if (L2) g = g + p * s.wd;
       v = v * s.b2 + (g * g) * s.omb2;
       m = m * s.b1 + g * s.omb1;
       float delta = (m / (std::sqrt(v) * s.inv_bc2 + s.eps)) * s.neg_step;
       if (DECOUPLED) delta = delta - p * s.decay;
-      if (ROUNDING == 2) {
-        const float c = C8 ? static_cast<float>(static_cast<int8_t*>(Cv)[i]) * residual_unit(P[i])
-                           : widen(static_cast<uint16_t*>(Cv)[i]);
+      if constexpr (ROUNDING == 2) {
+        float c;
+        if constexpr (C8) c = static_cast<float>(Cb[j]) * residual_unit(Pb[j]);
+        else c = widen(Cb[j]);
         const uint16_t out = round_nearest(p + (delta + c));
-        if (C8) {
-          static_cast<int8_t*>(Cv)[i] = encode_residual((c - (widen(out) - p)) + delta, out, mix32(lo ^ kp));
-        } else {
-          static_cast<uint16_t*>(Cv)[i] = round_stochastic_sum(c - (widen(out) - p), delta, mix32(lo ^ kp));
-        }
-        P[i] = out;
-      } else if (ROUNDING == 1) {
-        P[i] = round_stochastic_sum(p, delta, mix32(lo ^ kp));
+        if constexpr (C8) Cb[j] = encode_residual((c - (widen(out) - p)) + delta, out, mix32(lo ^ kp));
+        else Cb[j] = round_stochastic_sum(c - (widen(out) - p), delta, mix32(lo ^ kp));
+        Pb[j] = out;
+      } else if constexpr (ROUNDING == 1) {
+        Pb[j] = round_stochastic_sum(p, delta, mix32(lo ^ kp));
       } else {
-        P[i] = round_nearest(p + delta);
+        Pb[j] = round_nearest(p + delta);
       }
-      if (Q8M) {
-        mbuf[i - begin] = m;
-        vbuf[i - begin] = v;
-        m_max = std::max(m_max, std::fabs(m));
-        v_max = std::max(v_max, std::fabs(v));
-      } else if (ROUNDING == 0) {
-        static_cast<uint16_t*>(Mv)[i] = round_nearest(m);
-        static_cast<uint16_t*>(Vv)[i] = round_nearest(v);
-      } else {
-        static_cast<uint16_t*>(Mv)[i] = round_stochastic(m, mix32(lo ^ km));
-        static_cast<uint16_t*>(Vv)[i] = round_stochastic(v, mix32(lo ^ kv));
-      }
+      mbuf[j] = m;
+      vbuf[j] = v;
     }
-    if (Q8M) {
+    if constexpr (Q8M) {
+      float m_max = 0.0f, v_max = 0.0f;
+      for (int64_t j = 0; j < count; ++j) {
+        m_max = std::max(m_max, std::fabs(mbuf[j]));
+        v_max = std::max(v_max, std::fabs(vbuf[j]));
+      }
       MS[qb] = bf16_ceil(m_max);
       VS[qb] = bf16_ceil(v_max);
       const float ms = widen(MS[qb]), vs = widen(VS[qb]);
-      for (int64_t i = begin; i < end; ++i) {
-        const uint32_t lo = static_cast<uint32_t>(i + offset);
-        static_cast<int8_t*>(Mv)[i] = encode_m(mbuf[i - begin], ms, mix32(lo ^ km));
-        static_cast<uint8_t*>(Vv)[i] = encode_v(vbuf[i - begin], vs, mix32(lo ^ kv));
+      for (int64_t j = 0; j < count; ++j) {
+        const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+        Mb[j] = encode_m(mbuf[j], ms, mix32(lo ^ km), lm);
+        Vb[j] = encode_v(vbuf[j], vs, mix32(lo ^ kv), lv);
+      }
+    } else if constexpr (ROUNDING == 0) {
+      for (int64_t j = 0; j < count; ++j) {
+        Mb[j] = round_nearest(mbuf[j]);
+        Vb[j] = round_nearest(vbuf[j]);
+      }
+    } else {
+      for (int64_t j = 0; j < count; ++j) {
+        const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+        Mb[j] = round_stochastic(mbuf[j], mix32(lo ^ km));
+        Vb[j] = round_stochastic(vbuf[j], mix32(lo ^ kv));
       }
     }
   }
 }
 
-template <int ROUNDING, bool Q8M, bool C8>
-void dispatch_q8(bool l2, bool dec, uint16_t* P, const uint16_t* G, void* M, void* V, uint16_t* MS, uint16_t* VS,
-                 void* C, int64_t n, const Scalars& s, int64_t kp, int64_t km, int64_t kv, int64_t off) {
+template <int ROUNDING, typename MT, typename VT, typename CT>
+void dispatch_q8(bool l2, bool dec, uint16_t* P, const uint16_t* G, void* Mv, void* Vv, uint16_t* MS, uint16_t* VS,
+                 void* Cv, int64_t n, const Scalars& s, int64_t kp, int64_t km, int64_t kv, int64_t off) {
+  MT* M = static_cast<MT*>(Mv);
+  VT* V = static_cast<VT*>(Vv);
+  CT* C = static_cast<CT*>(Cv);
   const int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
   at::parallel_for(0, blocks, 128, [&](int64_t b0, int64_t b1) {
 #define PB16_BLOCKS(L2_, DEC_) \
-  update_blocks_q8<ROUNDING, L2_, DEC_, Q8M, C8>(P, G, M, V, MS, VS, C, n, b0, b1, s, kp, km, kv, off)
+  update_blocks_q8<ROUNDING, L2_, DEC_, MT, VT, CT>(P, G, M, V, MS, VS, C, n, b0, b1, s, kp, km, kv, off)
     if (l2) PB16_BLOCKS(true, false);
     else if (dec) PB16_BLOCKS(false, true);
     else PB16_BLOCKS(false, false);
@@ -335,13 +376,13 @@ void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
   void* M = exp_avg.data_ptr();
   void* V = exp_avg_sq.data_ptr();
-#define PB16_Q8(R, QM, C8_) \
-  dispatch_q8<R, QM, C8_>(l2, dec, P, G, M, V, MS, VS, C, n, s, key_p, key_m, key_v, index_offset)
-  if (rounding == 0) PB16_Q8(0, true, false);
-  else if (rounding == 1) PB16_Q8(1, true, false);
-  else if (q8m && c8) PB16_Q8(2, true, true);
-  else if (q8m) PB16_Q8(2, true, false);
-  else PB16_Q8(2, false, true);
+#define PB16_Q8(R, MT, VT, CT) \
+  dispatch_q8<R, MT, VT, CT>(l2, dec, P, G, M, V, MS, VS, C, n, s, key_p, key_m, key_v, index_offset)
+  if (rounding == 0) PB16_Q8(0, int8_t, uint8_t, uint16_t);
+  else if (rounding == 1) PB16_Q8(1, int8_t, uint8_t, uint16_t);
+  else if (q8m && c8) PB16_Q8(2, int8_t, uint8_t, int8_t);
+  else if (q8m) PB16_Q8(2, int8_t, uint8_t, uint16_t);
+  else PB16_Q8(2, uint16_t, uint16_t, int8_t);
 #undef PB16_Q8
 }
 
@@ -429,10 +470,10 @@ def fused_cpu_available() -> bool:
             capability = torch.backends.cpu.get_cpu_capability()
             arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
             _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v13_{capability.lower()}",
+                name=f"lightning_pure_bf16_adamw_cpu_v15_{capability.lower()}",
                 cpp_sources=[_source()],
                 functions=["adamw_update_bf16", "adamw_update_q8", "any_nonfinite_bf16"],
-                extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *arch],
+                extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *arch],
                 verbose=False,
             )
         except Exception as err:  # noqa: BLE001 - any build failure means: use the PyTorch path
