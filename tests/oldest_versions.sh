@@ -23,6 +23,6 @@ export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
 pip install -q torch==2.13.0
 pip install -q -e ".[test]" -c .venv-oldest/constraints.txt
 python -c "import deepspeed, lightning, torch; print('installed:', 'lightning', lightning.__version__, 'deepspeed', deepspeed.__version__, 'torch', torch.__version__)" 2>/dev/null
-# States in files (mmap) do not touch DeepSpeed or Lightning differently: left to the main suite, to keep CI short.
+# The tests of states in files (mmap) are left to the main suite, newest versions only, to keep CI short.
 python -m pytest -q -p no:cacheprovider tests/test_upstream.py tests/test_adoption.py tests/test_strategy.py \
     tests/test_checkpoint.py -k "not mmap"
