@@ -171,43 +171,30 @@ void dispatch_decay(bool l2, bool decoupled, uint16_t* P, const uint16_t* G, uin
 PB16_INLINE float uniform24(uint32_t r) { return static_cast<float>(r >> 8) * 5.9604644775390625e-08f; }
 PB16_INLINE float level_m_of(float k) { const float t = k / 127.0f; return t * t; }
 PB16_INLINE float level_v_of(float k) { const float t = k / 255.0f; const float t2 = t * t; return t2 * t2; }
-// The levels as tables (computed once with the same float32 operations, so the same values): a lookup instead of
-// two divisions per level in the loops.
-struct Levels {
-  float m[129];
-  float v[257];
-  Levels() {
-    for (int k = 0; k <= 128; ++k) m[k] = level_m_of(static_cast<float>(k));
-    for (int k = 0; k <= 256; ++k) v[k] = level_v_of(static_cast<float>(k));
-  }
-};
-const Levels& levels() {
-  static const Levels table;
-  return table;
-}
 PB16_INLINE uint16_t bf16_ceil(float x) { return static_cast<uint16_t>(((bits_of(x) + 0xFFFFu) & 0x7FFF0000u) >> 16); }
 PB16_INLINE float normalized(float x, float scale) { return scale > 0.0f ? std::fabs(x) / scale : 0.0f; }
-PB16_INLINE int8_t encode_m(float x, float scale, uint32_t r, const float* __restrict__ lm) {
+// The levels are computed, not looked up: a division vectorizes, a table lookup (a gather) does not.
+PB16_INLINE int8_t encode_m(float x, float scale, uint32_t r) {
   const float a = normalized(x, scale);
   const int32_t k0 = std::min(static_cast<int32_t>(std::sqrt(a) * 127.0f), 126);
-  const float lo = lm[k0], hi = lm[k0 + 1];
+  const float lo = level_m_of(static_cast<float>(k0)), hi = level_m_of(static_cast<float>(k0) + 1.0f);
   const float frac = std::min(std::max((a - lo) / (hi - lo), 0.0f), 1.0f);
   const int32_t k = k0 + static_cast<int32_t>(uniform24(r) < frac);
   return static_cast<int8_t>(x < 0.0f ? -k : k);
 }
-PB16_INLINE float decode_m(int8_t code, float scale, const float* __restrict__ lm) {
+PB16_INLINE float decode_m(int8_t code, float scale) {
   const int32_t k = code;
-  const float value = scale * lm[k < 0 ? -k : k];
+  const float value = scale * level_m_of(static_cast<float>(k < 0 ? -k : k));
   return k < 0 ? -value : value;
 }
-PB16_INLINE uint8_t encode_v(float x, float scale, uint32_t r, const float* __restrict__ lv) {
+PB16_INLINE uint8_t encode_v(float x, float scale, uint32_t r) {
   const float a = normalized(x, scale);
   const int32_t k0 = std::min(static_cast<int32_t>(std::sqrt(std::sqrt(a)) * 255.0f), 254);
-  const float lo = lv[k0], hi = lv[k0 + 1];
+  const float lo = level_v_of(static_cast<float>(k0)), hi = level_v_of(static_cast<float>(k0) + 1.0f);
   const float frac = std::min(std::max((a - lo) / (hi - lo), 0.0f), 1.0f);
   return static_cast<uint8_t>(k0 + static_cast<int32_t>(uniform24(r) < frac));
 }
-PB16_INLINE float decode_v(uint8_t code, float scale, const float* __restrict__ lv) { return scale * lv[code]; }
+PB16_INLINE float decode_v(uint8_t code, float scale) { return scale * level_v_of(static_cast<float>(code)); }
 // 1/256 of the bf16 spacing of the bf16 weight p: a power of two, normal or subnormal.
 PB16_INLINE float residual_unit(uint16_t p) {
   const uint32_t e = std::max<uint32_t>((p >> 7) & 0xFFu, 1u);
@@ -232,8 +219,6 @@ void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, 
                       int64_t key_v, int64_t offset) {
   constexpr bool Q8M = sizeof(MT) == 1;
   constexpr bool C8 = sizeof(CT) == 1;
-  const float* __restrict__ lm = levels().m;
-  const float* __restrict__ lv = levels().v;
   float mbuf[QBLOCK], vbuf[QBLOCK];
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
     const int64_t begin = qb * QBLOCK, count = std::min(QBLOCK, n - begin);
@@ -250,8 +235,8 @@ void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, 
     if constexpr (Q8M) {
       const float m_scale = widen(MS[qb]), v_scale = widen(VS[qb]);
       for (int64_t j = 0; j < count; ++j) {
-        mbuf[j] = decode_m(Mb[j], m_scale, lm);
-        vbuf[j] = decode_v(Vb[j], v_scale, lv);
+        mbuf[j] = decode_m(Mb[j], m_scale);
+        vbuf[j] = decode_v(Vb[j], v_scale);
       }
     } else {
       for (int64_t j = 0; j < count; ++j) {
@@ -286,18 +271,20 @@ void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, 
       vbuf[j] = v;
     }
     if constexpr (Q8M) {
-      float m_max = 0.0f, v_max = 0.0f;
+      // The largest magnitude as the largest bit pattern with the sign cleared (the same order for finite floats):
+      // an integer maximum vectorizes, a float one does not without relaxed NaN rules.
+      uint32_t m_max = 0, v_max = 0;
       for (int64_t j = 0; j < count; ++j) {
-        m_max = std::max(m_max, std::fabs(mbuf[j]));
-        v_max = std::max(v_max, std::fabs(vbuf[j]));
+        m_max = std::max(m_max, bits_of(mbuf[j]) & 0x7FFFFFFFu);
+        v_max = std::max(v_max, bits_of(vbuf[j]) & 0x7FFFFFFFu);
       }
-      MS[qb] = bf16_ceil(m_max);
-      VS[qb] = bf16_ceil(v_max);
+      MS[qb] = bf16_ceil(float_of(m_max));
+      VS[qb] = bf16_ceil(float_of(v_max));
       const float ms = widen(MS[qb]), vs = widen(VS[qb]);
       for (int64_t j = 0; j < count; ++j) {
         const uint32_t lo = lo0 + static_cast<uint32_t>(j);
-        Mb[j] = encode_m(mbuf[j], ms, mix32(lo ^ km), lm);
-        Vb[j] = encode_v(vbuf[j], vs, mix32(lo ^ kv), lv);
+        Mb[j] = encode_m(mbuf[j], ms, mix32(lo ^ km));
+        Vb[j] = encode_v(vbuf[j], vs, mix32(lo ^ kv));
       }
     } else if constexpr (ROUNDING == 0) {
       for (int64_t j = 0; j < count; ++j) {
@@ -470,7 +457,7 @@ def fused_cpu_available() -> bool:
             capability = torch.backends.cpu.get_cpu_capability()
             arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
             _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v15_{capability.lower()}",
+                name=f"lightning_pure_bf16_adamw_cpu_v16_{capability.lower()}",
                 cpp_sources=[_source()],
                 functions=["adamw_update_bf16", "adamw_update_q8", "any_nonfinite_bf16"],
                 extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *arch],
