@@ -81,11 +81,6 @@ class OptimizerOptions:
         check_choice(who, "state_storage", self.state_storage, STATE_STORAGES)
         check_choice(who, "moments", self.moments, MOMENT_FORMATS)
         check_choice(who, "compensation", self.compensation, COMPENSATION_FORMATS)
-        if self.state_storage == "mmap" and "int8" in (self.moments, self.compensation):
-            raise ValueError(
-                f"`{who}(state_storage='mmap')` keeps bf16 states only; 8-bit states (`moments='int8'`,"
-                " `compensation='int8'`) stay in memory. Use one or the other."
-            )
         if self.state_storage == "memory" and self.state_dir is not None:
             raise ValueError(f"`{who}(state_dir=...)` is only used with `state_storage='mmap'`; pass both or neither.")
         if self.state_storage == "mmap" and self.state_dir is None:

@@ -165,14 +165,50 @@ def test_bf16_states_load_into_int8_ones_and_not_back():
         AdamW([p]).load_state_dict(int8.state_dict())
 
 
-def test_bad_formats_are_refused(tmp_path):
+def test_bad_formats_are_refused():
     p = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ValueError, match="moments='int4'"):
         AdamW([p], moments="int4")
     with pytest.raises(ValueError, match="compensation='fp8'"):
         AdamW([p], compensation="fp8")
-    with pytest.raises(ValueError, match="8-bit states .* stay in memory"):
-        AdamW([p], moments="int8", state_storage="mmap", state_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------------------------- states in files
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_8bit_states_in_files_train_exactly_like_in_memory(tmp_path, config, backend):
+    shape = (3000,)  # three streamed chunks of 1024, the last one partial, scale blocks across chunk ends: none
+    in_memory = _bytes(*_run(shape, backend, steps=3, **config))
+    opt, p = _run(shape, backend, steps=3, state_storage="mmap", state_dir=tmp_path, state_chunk_size=1024, **config)
+    try:
+        assert all(t.untyped_storage().filename for k, t in opt.state[p].items() if k != "step" and k != "stream")
+        assert all(torch.equal(a, b) for a, b in zip(_bytes(opt, p), in_memory))
+        # One file per tensor holds them all: codes, scales (and the remainder), nothing else but alignment.
+        buffers = [t for t in opt.state[p].values() if isinstance(t, torch.Tensor) and t.ndim]
+        (name,) = {t.untyped_storage().filename for t in buffers}
+        held = sum(t.numel() * t.element_size() for t in buffers)
+        assert held <= os.path.getsize(name) < held + 8
+        assert held / p.numel() == pytest.approx(
+            2 + 4 / 128 + (1 if "compensation" in config else 2) * (config.get("rounding") == "kahan"), abs=0.01
+        )
+    finally:
+        opt.close()
+
+
+def test_8bit_state_files_load_and_save_like_in_memory_ones(tmp_path):
+    opt, p = _run((700,), "auto", steps=2, moments="int8")
+    q = p.detach().clone().requires_grad_()
+    files = AdamW([q], moments="int8", state_storage="mmap", state_dir=tmp_path, backend="auto")
+    try:
+        files.load_state_dict(opt.state_dict())
+        assert files.state[q]["exp_avg"].dtype == torch.int8 and files.state[q]["exp_avg"].untyped_storage().filename
+        back = files.state_dict()["state"][0]
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+            assert torch.equal(back[key], opt.state[p][key]), key
+        with pytest.raises(ValueError, match="state files hold torch.int8"):
+            files.load_state_dict(_run((700,), "auto", steps=1)[0].state_dict())
+    finally:
+        files.close()
 
 
 def test_float32_parameters_keep_float32_moments():

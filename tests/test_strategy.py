@@ -324,6 +324,18 @@ def test_mmap_states_train_exactly_like_in_memory_states(exact_runs, mmap_run):
                 assert torch.equal(sa[key][real], sb[key][real]), key
 
 
+def test_8bit_states_in_files_leave_4_bytes_per_param_in_memory_and_2_in_files(tmp_path):
+    state_dir = tmp_path / "states"
+    state_dir.mkdir()
+    strategy = {**EXACT, "state_storage": "mmap", "state_dir": str(state_dir), "moments": "int8"}
+    fit(tmp_path, devices=2, steps=3, strategy=strategy)
+    for r in load_ranks(tmp_path):
+        report = r["memory_report"]
+        assert report["total"] == pytest.approx(4.0)
+        assert 2.0 < report["state_files"] <= 2.05
+        assert all(s["exp_avg"].dtype == torch.int8 for s in r["state"].values())
+
+
 def test_mmap_states_leave_4_bytes_per_param_in_memory(mmap_run):
     state_dir, ranks = mmap_run
     for r in ranks:

@@ -53,6 +53,8 @@ StateStorage = Literal["memory", "mmap"]
 _BUFFER_KEYS = ("exp_avg", "exp_avg_sq", "kahan_comp")
 # The block scales of 8-bit moments (one bf16 per ops.quant.QBLOCK elements).
 _SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+# Every state tensor that state_storage decides the place of.
+_STORED_KEYS = (*_BUFFER_KEYS, *_SCALE_KEYS)
 _STATE_EXTRA_KEY = "pure_bf16"
 # Attributes a copy or an unpickled optimizer keeps, besides torch's defaults, state and param groups.
 _COPIED_ATTRIBUTES = (
@@ -295,7 +297,7 @@ class AdamW(Optimizer):
         if self._store is not None:
             self._finalizer()
             for state in self.state.values():
-                for key in _BUFFER_KEYS:
+                for key in _STORED_KEYS:
                     state.pop(key, None)
         self._closed = True
 
@@ -400,12 +402,14 @@ class AdamW(Optimizer):
                     " its existing state file (its group's `rounding` changed to 'kahan' after its first step); that"
                     " is not supported. Set the rounding before the first step."
                 )
-        requests = [(self.state[p]["stream"], p.numel(), len(self._buffer_keys(p, g)), p.dtype) for p, g, _ in pending]
+        requests = [
+            (self.state[p]["stream"], [self._buffer_spec(p, k) for k in self._buffer_keys(p, g)]) for p, g, _ in pending
+        ]
         created = self._store.allocate(requests)
         for p, group, _ in pending:
             buffers = created[self.state[p]["stream"]]
             for key, flat in zip(self._buffer_keys(p, group), buffers):
-                self.state[p][key] = flat.view(p.shape)
+                self.state[p][key] = flat if key in _SCALE_KEYS else flat.view(p.shape)
 
     def _buffer_keys(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[str, ...]:
         keys: tuple[str, ...] = _BUFFER_KEYS[:2]
@@ -418,15 +422,21 @@ class AdamW(Optimizer):
     def _int8_moments(self, p: torch.Tensor) -> bool:
         return self.moments == "int8" and p.dtype == torch.bfloat16
 
-    def _new_buffer(self, p: torch.Tensor, key: str) -> torch.Tensor:
+    def _buffer_spec(self, p: torch.Tensor, key: str) -> tuple[int, torch.dtype]:
+        """Elements and dtype of the state buffer ``key`` of ``p``."""
         if key in _SCALE_KEYS:
-            return torch.zeros(quant.scale_blocks(p.numel()), dtype=torch.bfloat16, device=p.device)
+            return quant.scale_blocks(p.numel()), torch.bfloat16
         dtype = p.dtype
         if self._int8_moments(p) and key in _BUFFER_KEYS[:2]:
             dtype = torch.int8 if key == "exp_avg" else torch.uint8
         elif key == "kahan_comp" and self.compensation == "int8":
             dtype = torch.int8
-        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+        return p.numel(), dtype
+
+    def _new_buffer(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        numel, dtype = self._buffer_spec(p, key)
+        shape = (numel,) if key in _SCALE_KEYS else p.shape
+        return torch.zeros(shape, dtype=dtype, device=p.device)
 
     @torch.no_grad()
     def dequantized_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -492,25 +502,32 @@ class AdamW(Optimizer):
         kahan: bool,
         args: UpdateArgs,
     ) -> None:
-        states = [state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
-        if kahan:
-            states.append(state["kahan_comp"].view(-1))
-        key = (p.device, p.dtype, len(states))
+        keys = ["exp_avg", "exp_avg_sq", *(["kahan_comp"] if kahan else []), *(k for k in _SCALE_KEYS if k in state)]
+        states = [state[k].view(-1) for k in keys]
+        specs = tuple((t.dtype, quant.QBLOCK if k in _SCALE_KEYS else 1) for k, t in zip(keys, states))
+        key = (p.device, specs)
         streamer = self._streamers.get(key)
         # Slots as large as the largest tensor seen (a power of two), at most state_chunk_size: small models do not
-        # pay for 8 MiB slots.
+        # pay for 8 MiB slots. 8-bit moments stream whole scale blocks.
         chunk = min(self.state_chunk_size, 1 << max(p.numel() - 1, 1).bit_length())
+        if any(k in _SCALE_KEYS for k in keys):
+            chunk = max(chunk, quant.QBLOCK)
         if streamer is None or streamer.chunk < chunk:
             if streamer is not None:
                 streamer.close()
-            streamer = self._streamers[key] = StateStreamer(p.device, p.dtype, len(states), chunk)
+            streamer = self._streamers[key] = StateStreamer(p.device, specs, chunk)
         p_flat = p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
         g_flat = grad.reshape(-1)
+        scale_at = {k: i for i, k in enumerate(keys) if k in _SCALE_KEYS}
 
         def forward(chunks: list[torch.Tensor]) -> tuple[Any, ...]:
-            return chunks[0], chunks[1], chunks[2] if kahan else None, args
+            scales = {k: chunks[i] for k, i in scale_at.items()}
+            return chunks[0], chunks[1], chunks[2] if kahan else None, args, scales
 
-        streamer.update(update, p_flat, g_flat, states, forward)
+        def call(param_chunk, grad_chunk, m, v, c, step_args, scales, index_offset):  # noqa: ANN001, ANN202
+            update(param_chunk, grad_chunk, m, v, c, step_args, index_offset=index_offset, **scales)
+
+        streamer.update(call, p_flat, g_flat, states, forward)
         if not p.is_contiguous():
             p.copy_(p_flat.view(p.shape))
 
@@ -584,7 +601,7 @@ class AdamW(Optimizer):
         who = f"{type(self).__name__}(state_storage='mmap', state_dir={root!r}) (a copy)"
         self._store = MmapStateStore(check_state_dir(root, who=who), who=who)
         self._finalizer = weakref.finalize(self, _close_storage, self._store, self._streamers)
-        saved = {p: {k: st.pop(k) for k in _BUFFER_KEYS if k in st} for p, st in self.state.items()}
+        saved = {p: {k: st.pop(k) for k in _STORED_KEYS if k in st} for p, st in self.state.items()}
         self._load_buffers_into_files(saved)
 
     def state_dict(self) -> dict[str, Any]:
@@ -625,7 +642,7 @@ class AdamW(Optimizer):
             if self._store is not None:
                 loaded["buffers"] = self._check_saved_buffers(sd)
                 sd["state"] = {
-                    index: {k: v for k, v in st.items() if k not in _BUFFER_KEYS} for index, st in sd["state"].items()
+                    index: {k: v for k, v in st.items() if k not in _STORED_KEYS} for index, st in sd["state"].items()
                 }
             return sd
 
@@ -762,13 +779,20 @@ class AdamW(Optimizer):
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for index, st in state_dict["state"].items():
             p = by_id[index]
-            buffers = {k: v for k, v in st.items() if k in _BUFFER_KEYS}
+            buffers = {k: v for k, v in st.items() if k in _STORED_KEYS}
             for key, value in buffers.items():
-                if not isinstance(value, torch.Tensor) or value.numel() != p.numel():
+                numel, dtype = self._buffer_spec(p, key)
+                if not isinstance(value, torch.Tensor) or value.numel() != numel:
                     got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     raise ValueError(
                         f"The saved {key!r} of parameter {index} has shape {got}, the parameter {tuple(p.shape)}; the"
                         " state dict was saved for another model or partitioning."
+                    )
+                if value.dtype.is_floating_point != dtype.is_floating_point:
+                    raise ValueError(
+                        f"The saved {key!r} of parameter {index} is {value.dtype}, this optimizer's state files hold"
+                        f" {dtype}: load the state dict into an optimizer with in-memory states of the saved format,"
+                        " then save it again, or create this one with the saved `moments`/`compensation`."
                     )
             out[p] = buffers
         return out

@@ -97,6 +97,16 @@ class _StateFile:
     buffers: list[torch.Tensor]  # flat views of the mapping, one per state buffer
 
 
+def _layout(specs: Sequence[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets of buffers laid out one after the other, each aligned to its element size, and the total size."""
+    offsets, end = [], 0
+    for numel, dtype in specs:
+        start = -(-end // dtype.itemsize) * dtype.itemsize
+        offsets.append(start)
+        end = start + numel * dtype.itemsize
+    return offsets, end
+
+
 class MmapStateStore:
     """The state files of one optimizer: one file per parameter tensor, in a directory of its own.
 
@@ -113,11 +123,14 @@ class MmapStateStore:
         self.directory: Path | None = None
         self.files: dict[int, _StateFile] = {}
 
-    def allocate(self, requests: Sequence[tuple[int, int, int, torch.dtype]]) -> dict[int, list[torch.Tensor]]:
+    def allocate(
+        self, requests: Sequence[tuple[int, Sequence[tuple[int, torch.dtype]]]]
+    ) -> dict[int, list[torch.Tensor]]:
         """Create and map the files of several tensors at once, all or none.
 
         Args:
-            requests: ``(stream id, elements, number of buffers, dtype)`` per tensor.
+            requests: ``(stream id, [(elements, dtype) per buffer])`` per tensor; one file per tensor holds its
+                buffers one after the other, each aligned to its element size.
 
         Returns:
             Per stream id, the flat zero-filled buffers (CPU tensors backed by the file).
@@ -128,7 +141,7 @@ class MmapStateStore:
         """
         if not requests:
             return {}
-        needed = sum(numel * count * dtype.itemsize for _, numel, count, dtype in requests)
+        needed = sum(_layout(specs)[1] for _, specs in requests)
         free = shutil.disk_usage(self.root).free
         if needed + _SPACE_MARGIN > free:
             raise StateStorageError(
@@ -141,8 +154,8 @@ class MmapStateStore:
             self.directory = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{self.label}-", dir=self.root))
         created: list[int] = []
         try:
-            for stream, numel, count, dtype in requests:
-                self.files[stream] = self._create(stream, numel, count, dtype)
+            for stream, specs in requests:
+                self.files[stream] = self._create(stream, specs)
                 created.append(stream)
         except BaseException:
             for stream in created:
@@ -150,10 +163,10 @@ class MmapStateStore:
             raise
         return {stream: self.files[stream].buffers for stream in created}
 
-    def _create(self, stream: int, numel: int, count: int, dtype: torch.dtype) -> _StateFile:
+    def _create(self, stream: int, specs: Sequence[tuple[int, torch.dtype]]) -> _StateFile:
         assert self.directory is not None
         path = self.directory / f"t{stream:05d}.bin"
-        nbytes = numel * count * dtype.itemsize
+        offsets, nbytes = _layout(specs)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as err:
@@ -175,12 +188,15 @@ class MmapStateStore:
                 " pass another `state_dir`.",
             ) from err
         os.close(fd)
-        flat = (
-            torch.from_file(os.fspath(path), shared=True, size=numel * count, dtype=dtype)
+        raw = (
+            torch.from_file(os.fspath(path), shared=True, size=nbytes, dtype=torch.uint8)
             if nbytes
-            else torch.zeros(0, dtype=dtype)
+            else torch.zeros(0, dtype=torch.uint8)
         )
-        return _StateFile(path, nbytes, inode, [flat[i * numel : (i + 1) * numel] for i in range(count)])
+        buffers = [
+            raw[offset : offset + numel * dtype.itemsize].view(dtype) for offset, (numel, dtype) in zip(offsets, specs)
+        ]
+        return _StateFile(path, nbytes, inode, buffers)
 
     def verify(self, stream: int) -> None:
         """Check that the file of ``stream`` still has its size and identity (one ``stat``).
@@ -247,19 +263,24 @@ class StateStreamer:
 
     Args:
         device: where the parameters and the update kernel are.
-        dtype: the state dtype.
-        buffers: state buffers per tensor (2, or 3 with Kahan).
-        chunk: elements per chunk.
+        specs: per state buffer, its dtype and how many parameter elements share one of its elements (1 for a
+            moment, 128 for the block scales of 8-bit moments).
+        chunk: parameter elements per chunk (a multiple of every divisor).
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, buffers: int, chunk: int) -> None:
+    def __init__(self, device: torch.device, specs: Sequence[tuple[torch.dtype, int]], chunk: int) -> None:
+        if any(chunk % divisor for _, divisor in specs):
+            raise ValueError(f"the chunk ({chunk}) must be a multiple of every divisor of {list(specs)}")
         self.device = device
         self.chunk = chunk
+        self.divisors = [divisor for _, divisor in specs]
         cuda = device.type == "cuda"
         # Pinned host slots: host-device copies run asynchronously, at full bus speed.
-        self.host = [[torch.empty(chunk, dtype=dtype, pin_memory=cuda) for _ in range(buffers)] for _ in range(2)]
+        self.host = [
+            [torch.empty(chunk // divisor, dtype=dtype, pin_memory=cuda) for dtype, divisor in specs] for _ in range(2)
+        ]
         self.dev = (
-            [[torch.empty(chunk, dtype=dtype, device=device) for _ in range(buffers)] for _ in range(2)]
+            [[torch.empty(chunk // divisor, dtype=dtype, device=device) for dtype, divisor in specs] for _ in range(2)]
             if cuda
             else self.host
         )
@@ -288,7 +309,7 @@ class StateStreamer:
             update: called as ``update(param_chunk, grad_chunk, *forward(state_chunks), index_offset=start)``.
             param: the flat parameter (contiguous, on ``device``).
             grad: the flat gradient, same length.
-            states: flat file-backed CPU buffers, same length.
+            states: flat file-backed CPU buffers, one element per ``divisor`` parameter elements each.
             forward: maps the device-side state chunks to the kernel's state arguments (inserts ``None`` for an
                 absent Kahan buffer).
         """
@@ -300,16 +321,18 @@ class StateStreamer:
         def span(i: int) -> tuple[int, int]:
             return starts[i], min(starts[i] + self.chunk, n)
 
-        def load(i: int, slot: int) -> None:
+        def spans(i: int) -> list[tuple[int, int]]:
             s, e = span(i)
-            for buf, src in zip(self.host[slot], states):
+            return [(s // d, -(-e // d)) for d in self.divisors]
+
+        def load(i: int, slot: int) -> None:
+            for buf, src, (s, e) in zip(self.host[slot], states, spans(i)):
                 buf[: e - s].copy_(src[s:e])  # reads the file (page faults) outside the GIL
 
         def store(i: int, slot: int, done: torch.cuda.Event | None) -> None:
             if done is not None:
                 done.synchronize()
-            s, e = span(i)
-            for dst, buf in zip(states, self.host[slot]):
+            for dst, buf, (s, e) in zip(states, self.host[slot], spans(i)):
                 dst[s:e].copy_(buf[: e - s])
 
         reads: dict[int, Future] = {0: self.reader.submit(load, 0, 0)}
@@ -325,20 +348,20 @@ class StateStreamer:
                         writes.pop(i - 1).result()
                     reads[i + 1] = self.reader.submit(load, i + 1, 1 - slot)
                 s, e = span(i)
-                dev = [b[: e - s] for b in self.dev[slot]]
+                dev = [b[: hi - lo] for b, (lo, hi) in zip(self.dev[slot], spans(i))]
                 done = None
                 if self.copy_stream is not None:
                     assert compute is not None
                     with torch.cuda.stream(self.copy_stream):
                         for d, h in zip(dev, self.host[slot]):
-                            d.copy_(h[: e - s], non_blocking=True)
+                            d.copy_(h[: d.numel()], non_blocking=True)
                     compute.wait_stream(self.copy_stream)
                 update(param[s:e], grad[s:e], *forward(dev), index_offset=s)
                 if self.copy_stream is not None:
                     self.copy_stream.wait_stream(compute)
                     with torch.cuda.stream(self.copy_stream):
                         for h, d in zip(self.host[slot], dev):
-                            h[: e - s].copy_(d, non_blocking=True)
+                            h[: d.numel()].copy_(d, non_blocking=True)
                         done = torch.cuda.Event()
                         done.record(self.copy_stream)
                 writes[i] = self.writer.submit(store, i, slot, done)
