@@ -70,6 +70,20 @@ def _usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (int(registers.group(1)) if registers else None), (int(local.group(1)) if local else None)
 
 
+def _build(source: ASTSource, arch: int) -> dict:
+    """Compile one specialisation for ``sm_<arch>``; what it uses."""
+    options = {"num_warps": adamw_triton.NUM_WARPS, "enable_fp_fusion": False}
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    registers, local = _usage(compiled.asm["cubin"])
+    return {
+        "registers": registers,
+        "local_bytes": local,
+        "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
+        "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", compiled.asm["ptx"])),
+        "cubin_bytes": len(compiled.asm["cubin"]),
+    }
+
+
 def compile_all(archs: tuple[int, ...]) -> list[dict]:
     """Compile every specialisation for each architecture; one row per build."""
     rows = []
@@ -82,9 +96,6 @@ def compile_all(archs: tuple[int, ...]) -> list[dict]:
             # What Triton's launcher specialises on: pointers and the size divisible by 16.
             attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*POINTERS, "n_elements")} if aligned else {}
             source = ASTSource(fn=adamw_triton._adamw_kernel, signature=signature, constexprs=constants, attrs=attrs)
-            options = {"num_warps": adamw_triton.NUM_WARPS, "enable_fp_fusion": False}
-            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-            registers, local = _usage(compiled.asm["cubin"])
             rows.append(
                 {
                     "arch": f"sm_{arch}",
@@ -93,11 +104,7 @@ def compile_all(archs: tuple[int, ...]) -> list[dict]:
                     "grad": grad,
                     "ints": ints,
                     "aligned": aligned,
-                    "registers": registers,
-                    "local_bytes": local,
-                    "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
-                    "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", compiled.asm["ptx"])),
-                    "cubin_bytes": len(compiled.asm["cubin"]),
+                    **_build(source, arch),
                 }
             )
     rows += compile_q8(archs)
@@ -141,9 +148,6 @@ def compile_q8(archs: tuple[int, ...]) -> list[dict]:
         pointers = [n for n in names if n.endswith("_ptr")]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, "n_elements")}
         source = ASTSource(fn=adamw_triton._adamw_q8_kernel, signature=signature, constexprs=constants, attrs=attrs)
-        options = {"num_warps": adamw_triton.NUM_WARPS, "enable_fp_fusion": False}
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-        registers, local = _usage(compiled.asm["cubin"])
         states = ("int8 moments" if q8m else "bf16 moments") + (", int8 remainder" if c8 else "")
         rows.append(
             {
@@ -153,11 +157,7 @@ def compile_q8(archs: tuple[int, ...]) -> list[dict]:
                 "grad": "bf16",
                 "ints": ints,
                 "aligned": True,
-                "registers": registers,
-                "local_bytes": local,
-                "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
-                "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", compiled.asm["ptx"])),
-                "cubin_bytes": len(compiled.asm["cubin"]),
+                **_build(source, arch),
             }
         )
     return rows

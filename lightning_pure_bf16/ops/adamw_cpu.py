@@ -504,40 +504,15 @@ def adamw_update_cpu_(
     """
     if param.numel() == 0:
         return
-    q8 = exp_avg_scale is not None or (kahan_comp is not None and kahan_comp.dtype == torch.int8)
-    if q8:
-        placeholder = exp_avg_scale if exp_avg_scale is not None else param
-        _extension.adamw_update_q8(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            placeholder,
-            exp_avg_sq_scale if exp_avg_sq_scale is not None else param,
-            kahan_comp if kahan_comp is not None else param,
-            _ROUNDING_CODES[args.rounding],
-            args.decoupled,
-            *args.scalars,
-            args.keys[0],
-            args.keys[1],
-            args.keys[2],
-            index_offset,
-        )
-        return
-    _extension.adamw_update_bf16(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        kahan_comp if kahan_comp is not None else param,
-        _ROUNDING_CODES[args.rounding],
-        args.decoupled,
-        *args.scalars,
-        args.keys[0],
-        args.keys[1],
-        args.keys[2],
-        index_offset,
-    )
+    # The step's scalars, the same for both loops; the loops ignore the placeholders of absent buffers.
+    step = (_ROUNDING_CODES[args.rounding], args.decoupled, *args.scalars, *args.keys, index_offset)
+    comp = kahan_comp if kahan_comp is not None else param
+    if exp_avg_scale is not None or comp.dtype == torch.int8:
+        m_scale = exp_avg_scale if exp_avg_scale is not None else param
+        v_scale = exp_avg_sq_scale if exp_avg_sq_scale is not None else param
+        _extension.adamw_update_q8(param, grad, exp_avg, exp_avg_sq, m_scale, v_scale, comp, *step)
+    else:
+        _extension.adamw_update_bf16(param, grad, exp_avg, exp_avg_sq, comp, *step)
 
 
 __all__ = ["adamw_update_cpu_", "any_nonfinite_cpu", "can_use_fused_cpu", "fused_cpu_available"]

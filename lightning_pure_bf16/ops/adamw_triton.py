@@ -85,6 +85,37 @@ def _nearest_round(x):
     return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
+@triton.jit
+def _adam_update(
+    p,
+    g,
+    m,
+    v,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    decay,
+    neg_step_size,
+    inv_bias_correction2_sqrt,
+    DECOUPLED: tl.constexpr,
+):
+    """The fp32 Adam/AdamW step of both kernels: the new moments and the parameter update."""
+    if not DECOUPLED:
+        g = g + weight_decay * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * (g * g)
+    # The denominator uses the fp32 moments: rounding happens only on the final writes. Square root and division
+    # are the correctly rounded ones (tl.sqrt and "/" are approximate on GPUs), as in the other backends.
+    delta = tl.div_rn(m, tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps) * neg_step_size
+    if DECOUPLED:
+        # Weight decay inside the same fp32 update and the same rounded write, so a sub-ulp lr*wd*p still counts.
+        delta = delta - decay * p
+    return m, v, delta
+
+
 @triton.jit(do_not_specialize=["key_p", "key_m", "key_v", "index_offset"])
 def _adamw_kernel(
     p_ptr,
@@ -126,16 +157,22 @@ def _adamw_kernel(
     m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
-    if not DECOUPLED:
-        g = g + weight_decay * p
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * v + one_minus_beta2 * (g * g)
-    # The denominator uses the fp32 moments: rounding happens only on the final writes. Square root and division
-    # are the correctly rounded ones (tl.sqrt and "/" are approximate on GPUs), as in the other backends.
-    delta = tl.div_rn(m, tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps) * neg_step_size
-    if DECOUPLED:
-        # Weight decay inside the same fp32 update and the same rounded write, so a sub-ulp lr*wd*p still counts.
-        delta = delta - decay * p
+    m, v, delta = _adam_update(
+        p,
+        g,
+        m,
+        v,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        eps,
+        weight_decay,
+        decay,
+        neg_step_size,
+        inv_bias_correction2_sqrt,
+        DECOUPLED,
+    )
 
     if ROUNDING == _ROUND_KAHAN:
         c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -269,13 +306,22 @@ def _adamw_q8_kernel(
         m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
-    if not DECOUPLED:
-        g = g + weight_decay * p
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * v + one_minus_beta2 * (g * g)
-    delta = tl.div_rn(m, tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps) * neg_step_size
-    if DECOUPLED:
-        delta = delta - decay * p
+    m, v, delta = _adam_update(
+        p,
+        g,
+        m,
+        v,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        eps,
+        weight_decay,
+        decay,
+        neg_step_size,
+        inv_bias_correction2_sqrt,
+        DECOUPLED,
+    )
 
     if ROUNDING == _ROUND_KAHAN:
         if C8:
