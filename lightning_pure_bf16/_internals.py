@@ -73,8 +73,26 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_STAGE3, "sub_group_to_group_id", "attribute", "maps each flat partition to its param group"),
     PrivateName(_STAGE3, "grad_partitions_flat_buffer", "attribute", "the gradient partition (memory report)"),
     PrivateName(_STAGE3, "optimizer", "attribute", "the wrapped pure-bf16 optimizer"),
+    PrivateName(_STAGE3, "fp16_groups", "attribute", "each sub-group's parameters in partition order (repartition)"),
+    PrivateName(_STAGE3, "param_names", "attribute", "each parameter's name (repartition)"),
+    PrivateName(_STAGE3, "checkpoint_event_prologue", "method", "partition every parameter before a load", ("self",)),
+    PrivateName(
+        _STAGE3, "checkpoint_event_epilogue", "method", "re-gather persistent parameters after a load", ("self",)
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.partition_parameters",
+        "def partition_numel(",
+        "marker",
+        "a ZeRO-3 parameter's partition size on each rank (repartition)",
+    ),
     PrivateName(
         "deepspeed.runtime.engine:DeepSpeedEngine", "skipped_steps", "attribute", "steps ZeRO-3 skipped on inf/NaN"
+    ),
+    PrivateName(
+        "deepspeed.runtime.engine:DeepSpeedEngine", "global_steps", "attribute", "restored by a repartitioning load"
+    ),
+    PrivateName(
+        "deepspeed.runtime.engine:DeepSpeedEngine", "global_samples", "attribute", "restored by a repartitioning load"
     ),
     PrivateName("deepspeed.accelerator", "set_accelerator", "function", "CPU fits on a GPU host", ("accel_obj",)),
     # Lightning: methods of DeepSpeedStrategy the Trainer strategy overrides or calls
@@ -287,6 +305,60 @@ def zero3_sub_groups(zero_optimizer: Any) -> Iterator[tuple[torch.Tensor, int]]:
 def zero3_inner_optimizer(zero_optimizer: Any) -> Any:
     """The optimizer ZeRO-3 wraps (this package's AdamW under the strategy)."""
     return _read(zero_optimizer, "optimizer", "the wrapped optimizer")
+
+
+@dataclass
+class Zero3SubGroup:
+    """One ZeRO-3 sub-group on this rank: its flat bf16 partition, its param group, and what the partition holds.
+
+    ``params`` lists ``(name, numel, partition_numel)`` in partition order: this rank holds elements
+    ``[rank * partition_numel, (rank + 1) * partition_numel)`` of each parameter (zero-padded past ``numel``).
+    """
+
+    flat: torch.Tensor
+    group: int
+    params: list[tuple[str, int, int]]
+
+
+def zero3_layout(zero_optimizer: Any) -> list[Zero3SubGroup]:
+    """Every sub-group of this rank, in step order (the order of the optimizer state's indices)."""
+    names = _read(zero_optimizer, "param_names", "each parameter's name")
+    groups = _read(zero_optimizer, "fp16_groups", "the parameters of each sub-group")
+    flats = zero3_param_partitions(zero_optimizer)
+    return [
+        Zero3SubGroup(flat, group, [(names[p], int(p.ds_numel), int(p.partition_numel())) for p in params])
+        for (flat, group), params in zip(zip(flats, (g for _, g in zero3_sub_groups(zero_optimizer))), groups)
+    ]
+
+
+@contextmanager
+def zero3_partitioned_for_load(zero_optimizer: Any) -> Iterator[None]:
+    """Every parameter partitioned while its partition is written; persistent parameters re-gathered after."""
+    _read(zero_optimizer, "checkpoint_event_prologue", "partition every parameter before a load")()
+    yield
+    _read(zero_optimizer, "checkpoint_event_epilogue", "re-gather persistent parameters after a load")()
+
+
+@contextmanager
+def zero3_inner_params_in_groups(zero_optimizer: Any) -> Iterator[None]:
+    """ZeRO-3 keeps the inner optimizer's param groups empty between steps; within this context each group holds its
+    sub-group partitions, in sub-group order (as DeepSpeed does around the inner ``state_dict``/``load_state_dict``)."""
+    _read(zero_optimizer, "_set_fp32_optimizer_param_groups", "the inner optimizer's groups filled for a load")()
+    try:
+        yield
+    finally:
+        _read(zero_optimizer, "_clear_fp32_optimizer_param_groups", "the inner optimizer's groups emptied")()
+
+
+def set_engine_counters(engine: Any, *, global_steps: int, global_samples: int, skipped_steps: int) -> None:
+    """What DeepSpeed's own load restores on the engine, for a load this package does itself."""
+    for name, value in (
+        ("global_steps", global_steps),
+        ("global_samples", global_samples),
+        ("skipped_steps", skipped_steps),
+    ):
+        _read(engine, name, "restored by a repartitioning load")
+        setattr(engine, name, value)
 
 
 def engine_skipped_steps(engine: Any) -> int:

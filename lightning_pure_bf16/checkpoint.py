@@ -1,9 +1,11 @@
-"""Checkpoints: an atomic save, a check before any load, and a consolidated bf16 state dict from any world size.
+"""Checkpoints: a durable, atomic save, a check before any load, and consolidation from any world size.
 
 A pure-bf16 checkpoint is DeepSpeed's ZeRO-3 checkpoint directory (one model-state and one optimizer-state file per
 rank, Lightning's loop and scheduler state inside rank 0's model-state file) plus ``pure_bf16_checkpoint.json``, a
-manifest with the world size and the size of every file. The manifest is written last, and the directory is moved
-into place only once it is complete, so an interrupted save leaves the previous checkpoint untouched.
+manifest with the format version, the world size and the size of every file. A save writes into a staging directory;
+every file and directory in it is fsynced before the manifest is written (and fsynced), and only then is the staging
+directory moved into place, the parent directory fsynced after each rename. A save killed at any instant leaves the
+previous checkpoint or the new one, complete, never a mix; once a save has returned, a power loss loses nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +37,30 @@ def staging_path(path: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(path)}{_TMP_SUFFIX}")
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: str | os.PathLike, *, recursive: bool = True) -> None:
+    """fsync every file and directory under ``directory`` (and ``directory`` itself): their data and their names are
+    on the disk when this returns."""
+    directory = Path(directory)
+    if recursive:
+        for root, _, files in os.walk(directory, topdown=False):
+            for name in files:
+                _fsync(Path(root) / name)
+            _fsync(Path(root))
+    else:
+        _fsync(directory)
+
+
 def write_manifest(directory: Path, world_size: int, **info: Any) -> None:
-    """Record the world size and every file's size; written last, atomically, by one process."""
+    """Record the format, the world size and every file's size; written last, atomically and durably, by one
+    process, after every other file of the save is on the disk."""
     files = {
         str(p.relative_to(directory)): p.stat().st_size
         for p in sorted(directory.rglob("*"))
@@ -48,18 +73,26 @@ def write_manifest(directory: Path, world_size: int, **info: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, directory / MANIFEST)
+    _fsync(directory)
 
 
 def commit_staged(path: str | os.PathLike) -> None:
-    """Move a complete staged save into place; the previous checkpoint is deleted only after that (one process)."""
+    """Move a complete staged save into place; the previous checkpoint is deleted only after that (one process).
+
+    Each rename is made durable (the parent directory fsynced) before the next step.
+    """
     target, staged, old = Path(path), staging_path(path), Path(f"{os.fspath(path)}{_OLD_SUFFIX}")
+    parent = target.absolute().parent
     if old.exists():
         _remove(old)
     if target.exists():
         os.replace(target, old)
+        _fsync(parent)
     os.replace(staged, target)
+    _fsync(parent)
     if old.exists():
         _remove(old)
+        _fsync(parent)
 
 
 def clear_staging(path: str | os.PathLike) -> None:
@@ -67,6 +100,30 @@ def clear_staging(path: str | os.PathLike) -> None:
     staged = staging_path(path)
     if staged.exists():
         _remove(staged)
+
+
+def save_staged(
+    path: str | os.PathLike,
+    write: Callable[[Path], None],
+    *,
+    world_size: int,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+    **info: Any,
+) -> None:
+    """The save protocol, on every rank: ``write(staging_dir)`` writes this rank's files; each rank fsyncs what is
+    there; rank 0 writes the manifest and moves the directory into place once every rank has."""
+    if is_global_zero:
+        clear_staging(path)
+    barrier("pure_bf16_save_start")
+    staged = staging_path(path)
+    write(staged)
+    fsync_tree(staged)
+    barrier("pure_bf16_save_written")
+    if is_global_zero:
+        write_manifest(staged, world_size, **info)
+        commit_staged(path)
+    barrier("pure_bf16_save_done")
 
 
 def _remove(p: Path) -> None:
@@ -111,12 +168,15 @@ def _master_dtype(directory: Path) -> torch.dtype | None:
     return groups[0].dtype if groups else None
 
 
-def validate_checkpoint(path: str | os.PathLike, *, world_size: int | None = None) -> tuple[Path, dict[str, Any]]:
+def validate_checkpoint(
+    path: str | os.PathLike, *, accept_fp32_masters: bool = False
+) -> tuple[Path, dict[str, Any] | None]:
     """Check a checkpoint before anything is loaded from it.
 
     Args:
         path: the checkpoint directory Lightning was given.
-        world_size: the world size of the run that wants to resume it (``None``: any).
+        accept_fp32_masters: also accept a DeepSpeed ZeRO-3 checkpoint with fp32 master weights (bf16-mixed), which
+            has no manifest; it is returned with ``None`` for the manifest.
 
     Returns:
         The directory to load (``path``, or the complete copy an interrupted save left next to it) and its manifest.
@@ -137,10 +197,12 @@ def validate_checkpoint(path: str | os.PathLike, *, world_size: int | None = Non
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         if _master_dtype(directory) == torch.float32:
+            if accept_fp32_masters:
+                return directory, None
             raise CheckpointError(
-                f"'{requested}' was written with fp32 master weights (DeepSpeed mixed precision), so its optimizer"
-                " state cannot be resumed in pure bf16. Convert its weights with `python -m lightning_pure_bf16."
-                f"consolidate {requested} weights.safetensors` and start a new run from them."
+                f"'{requested}' was written with fp32 master weights (DeepSpeed mixed precision). Resume it in pure"
+                " bf16 with `trainer.fit(..., ckpt_path=...)` (the masters and moments are converted), or convert"
+                f" its weights with `python -m lightning_pure_bf16.consolidate {requested} weights.safetensors`."
             )
         raise CheckpointError(
             f"'{requested}' has no {MANIFEST}: the save that wrote it did not finish (or it was not written by"
@@ -150,6 +212,13 @@ def validate_checkpoint(path: str | os.PathLike, *, world_size: int | None = Non
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"'{manifest_path}' is unreadable ({err}); the checkpoint cannot be trusted.") from err
+    version = manifest.get("format") if isinstance(manifest, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        raise CheckpointError(
+            f"'{manifest_path}' has checkpoint format {version!r}; this version of lightning_pure_bf16 reads format"
+            f" {FORMAT_VERSION}. A newer format was written by a newer lightning_pure_bf16: upgrade it to load this"
+            " checkpoint."
+        )
     for name, size in manifest["files"].items():
         file = directory / name
         if not file.is_file():
@@ -159,14 +228,12 @@ def validate_checkpoint(path: str | os.PathLike, *, world_size: int | None = Non
             raise CheckpointError(
                 f"'{file}' is truncated or was overwritten: {actual} bytes, the checkpoint recorded {size}."
             )
-    saved_world = int(manifest["world_size"])
-    if world_size is not None and saved_world != world_size:
-        raise CheckpointError(
-            f"'{requested}' was written by {saved_world} ranks and this run has {world_size}: ZeRO-3 optimizer state"
-            " cannot be re-partitioned for pure bf16. Consolidate the weights with `python -m"
-            f" lightning_pure_bf16.consolidate {requested} weights.safetensors` and start a new run from them."
-        )
     return directory, manifest
+
+
+def tag_directory(directory: Path, manifest: dict[str, Any] | None) -> Path:
+    """The directory of the checkpoint's state files (its tag)."""
+    return directory / (manifest["tag"] if manifest else _tag(directory))
 
 
 def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -179,11 +246,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         CheckpointError: if the checkpoint is missing, incomplete or truncated.
     """
     requested = Path(path)
-    directory = _recover_path(requested)
-    if (directory / MANIFEST).is_file():
-        directory, _ = validate_checkpoint(requested)
-    elif _master_dtype(directory) != torch.float32:
-        validate_checkpoint(requested)  # raises with the reason
+    directory, _ = validate_checkpoint(requested, accept_fp32_masters=True)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # DeepSpeed's reader prints progress and progress bars; the caller reports what matters.
@@ -203,8 +266,29 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
 
+def consolidate_optimizer_state(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer state of a checkpoint written at any world size, per parameter name of the LightningModule.
+
+    Each entry holds ``exp_avg``, ``exp_avg_sq``, ``kahan_comp`` (when the run kept a Kahan remainder) shaped as the
+    parameter, bit for bit what the run held (8-bit moments and remainders are decoded to float32 with their block
+    scales or weights), and ``step`` (int64). A DeepSpeed bf16-mixed checkpoint gives its fp32 moments.
+
+    Raises:
+        CheckpointError: if the checkpoint is missing, incomplete or truncated.
+    """
+    from lightning_pure_bf16.repartition import RepartitionError
+    from lightning_pure_bf16.repartition import consolidate_optimizer_state as consolidate
+
+    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True)
+    try:
+        return consolidate(tag_directory(directory, manifest))
+    except RepartitionError as err:
+        raise CheckpointError(str(err)) from err
+
+
 def save_state_dict(state: dict[str, torch.Tensor], output: str | os.PathLike) -> Path:
-    """Write a state dict as ``.safetensors`` (or ``.pt``/``.pth``/``.bin`` with ``torch.save``), atomically."""
+    """Write a state dict as ``.safetensors`` (or ``.pt``/``.pth``/``.bin`` with ``torch.save``), atomically and
+    durably (an existing file at ``output`` stays whole until the new one is complete on the disk)."""
     output = Path(output)
     suffix = output.suffix.lower()
     if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
@@ -217,8 +301,17 @@ def save_state_dict(state: dict[str, torch.Tensor], output: str | os.PathLike) -
         save_file({k: v.contiguous().clone() for k, v in state.items()}, str(part))
     else:
         torch.save(state, part)
+    _fsync(part)
     os.replace(part, output)
+    _fsync(output.absolute().parent)
     return output
 
 
-__all__ = ["CheckpointError", "consolidate_checkpoint", "save_state_dict", "validate_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "consolidate_checkpoint",
+    "consolidate_optimizer_state",
+    "fsync_tree",
+    "save_state_dict",
+    "validate_checkpoint",
+]

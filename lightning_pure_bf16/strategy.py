@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,14 +34,7 @@ from lightning_pure_bf16 import _internals
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.checkpoint import TAG as CHECKPOINT_TAG
-from lightning_pure_bf16.checkpoint import (
-    CheckpointError,
-    clear_staging,
-    commit_staged,
-    staging_path,
-    validate_checkpoint,
-    write_manifest,
-)
+from lightning_pure_bf16.checkpoint import CheckpointError, save_staged, tag_directory, validate_checkpoint
 from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
 from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
@@ -54,6 +48,7 @@ from lightning_pure_bf16.options import (
     resolve_state_dir,
 )
 from lightning_pure_bf16.precision import PureBF16Precision
+from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint, live_layout, load_repartitioned
 
 _DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.8")
 # Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
@@ -383,9 +378,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
-        """Save DeepSpeed's sharded checkpoint to a staging directory, then move it into place when complete.
+        """Save DeepSpeed's sharded checkpoint to a staging directory, fsync it, then move it into place.
 
-        An interrupted save leaves the previous checkpoint at ``filepath`` untouched.
+        A save interrupted at any instant leaves the previous checkpoint at ``filepath`` or the new one, never a mix.
         """
         if storage_options is not None:
             raise TypeError(
@@ -393,32 +388,50 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 " DeepSpeed writes the checkpoint itself."
             )
         filepath = self.broadcast(os.fspath(filepath))
-        if self.is_global_zero:
-            clear_staging(filepath)
-        self.barrier("pure_bf16_save_start")
-        staged = staging_path(filepath)
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.deepspeed_engine.save_checkpoint(
-            os.fspath(staged),
-            client_state=client_state,
-            tag=CHECKPOINT_TAG,
-            exclude_frozen_parameters=self.exclude_frozen_parameters,
+
+        def write(staged: Path) -> None:
+            self.deepspeed_engine.save_checkpoint(
+                os.fspath(staged),
+                client_state=client_state,
+                tag=CHECKPOINT_TAG,
+                exclude_frozen_parameters=self.exclude_frozen_parameters,
+            )
+
+        save_staged(
+            filepath,
+            write,
+            world_size=self.world_size,
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+            global_step=checkpoint.get("global_step"),
         )
-        self.barrier("pure_bf16_save_written")
-        if self.is_global_zero:
-            write_manifest(staged, self.world_size, global_step=checkpoint.get("global_step"))
-            commit_staged(filepath)
-        self.barrier("pure_bf16_save_done")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Check the checkpoint (complete, untruncated, same world size, bf16 masters), then let DeepSpeed load it."""
+        """Check the checkpoint (complete, untruncated, a known format), then load it.
+
+        Saved by this world size with the same sub-groups: DeepSpeed loads it, bit for bit. Saved by another world size
+        or sub-group layout, or by DeepSpeed bf16-mixed (fp32 masters): every value is re-partitioned to this run
+        (:mod:`lightning_pure_bf16.repartition`) and a log line says so.
+        """
         if self.load_full_weights:
             return super().load_checkpoint(checkpoint_path, weights_only)
         from lightning.pytorch.trainer.states import TrainerFn
 
-        directory, _ = validate_checkpoint(checkpoint_path, world_size=self.world_size)
+        directory, manifest = validate_checkpoint(checkpoint_path, accept_fp32_masters=True)
         is_fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        try:
+            saved = ZeroCheckpoint(tag_directory(directory, manifest))
+            same_layout = (
+                manifest is not None
+                and saved.world_size == self.world_size
+                and saved.sub_groups == live_layout(self.deepspeed_engine.optimizer)
+            )
+            if not same_layout:
+                return self._load_repartitioned(saved, checkpoint_path, is_fitting)
+        except RepartitionError as err:
+            raise CheckpointError(str(err)) from err
         _, client_state = self.deepspeed_engine.load_checkpoint(
             os.fspath(directory),
             tag=CHECKPOINT_TAG,
@@ -429,6 +442,41 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint '{checkpoint_path}'.")
         self._skipped_seen = _internals.engine_skipped_steps(self.deepspeed_engine)
+        return client_state
+
+    def _load_repartitioned(self, saved: ZeroCheckpoint, checkpoint_path: Any, is_fitting: bool) -> dict[str, Any]:
+        engine = self.deepspeed_engine
+        loaded = load_repartitioned(
+            saved,
+            engine.optimizer,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            load_optimizer_states=is_fitting,
+        )
+        state = saved.model_state
+        _internals.set_engine_counters(
+            engine,
+            global_steps=int(state.get("global_steps", 0)),
+            global_samples=int(state.get("global_samples", 0)),
+            skipped_steps=int(state.get("skipped_steps", 0)),
+        )
+        self._skipped_seen = _internals.engine_skipped_steps(engine)
+        source = "DeepSpeed bf16-mixed (fp32 masters)" if saved.master_dtype == torch.float32 else "pure bf16"
+        rank_zero_info(
+            f"{self.strategy_name}: re-partitioned the {source} checkpoint '{checkpoint_path}' written by"
+            f" {saved.world_size} rank(s) in {len(saved.sub_groups)} sub-group(s) to {self.world_size} rank(s) in"
+            f" {len(live_layout(engine.optimizer))}: {loaded}."
+        )
+        client_state = saved.client_state()
+        if "pytorch-lightning_version" not in client_state:
+            import lightning
+
+            # Written by DeepSpeed alone: nothing of Lightning's to restore.
+            client_state.update({"pytorch-lightning_version": lightning.__version__, "lr_schedulers": []})
+            rank_zero_info(
+                f"{self.strategy_name}: '{checkpoint_path}' was written by DeepSpeed without Lightning: the Trainer's"
+                " loops and LR schedulers start fresh, the optimizer continues from its saved step."
+            )
         return client_state
 
     # --------------------------------------------------------------------------------------- non-finite steps

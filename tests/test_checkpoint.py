@@ -186,12 +186,6 @@ def test_world_size_change_through_consolidation(uninterrupted, tmp_path):
     assert torch.load(tmp_path / "rank0.pt", weights_only=False)["global_step"] == 2
 
 
-def test_resuming_at_another_world_size_is_a_clear_error(uninterrupted, tmp_path):
-    proc = fit(tmp_path, check=False, devices=1, steps=12, ckpt_path=str(uninterrupted[0] / "final"))
-    assert proc.returncode != 0
-    assert "written by 2 ranks and this run has 1" in proc.stderr and "lightning_pure_bf16.consolidate" in proc.stderr
-
-
 def test_interrupted_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
     target = tmp_path / "last.ckpt"
     shutil.copytree(uninterrupted[0] / "final", target)
@@ -199,7 +193,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path)
     assert proc.returncode != 0
     staged = staging_path(target)
     assert staged.is_dir() and not (staged / MANIFEST).exists()  # the save really was cut off midway
-    validate_checkpoint(target, world_size=2)
+    validate_checkpoint(target)
     state = consolidate_checkpoint(target)
     assert all(torch.equal(state[k], v) for k, v in uninterrupted[1][0]["full_state"].items())
     with pytest.raises(CheckpointError, match="did not finish"):
@@ -257,9 +251,10 @@ def fp32_master_checkpoint(tmp_path_factory):
     return out / "mixed"
 
 
-def test_fp32_master_checkpoint_cannot_be_resumed(fp32_master_checkpoint):
-    with pytest.raises(CheckpointError, match="fp32 master weights.*lightning_pure_bf16.consolidate"):
+def test_fp32_master_checkpoint_is_refused_unless_accepted(fp32_master_checkpoint):
+    with pytest.raises(CheckpointError, match="fp32 master weights.*Resume it in pure bf16.*consolidate"):
         validate_checkpoint(fp32_master_checkpoint)
+    assert validate_checkpoint(fp32_master_checkpoint, accept_fp32_masters=True) == (fp32_master_checkpoint, None)
 
 
 def test_fp32_master_checkpoint_is_converted_with_a_message(fp32_master_checkpoint, capsys):

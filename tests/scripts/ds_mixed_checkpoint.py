@@ -1,5 +1,6 @@
-"""Writes DeepSpeed ZeRO-3 bf16-mixed checkpoints (fp32 master weights) to OUT/mixed and OUT/mixed_tagged (DeepSpeed's
-own tag): one CPU process, gloo."""
+"""Writes DeepSpeed ZeRO-3 bf16-mixed checkpoints (fp32 master weights, fp32 moments) to OUT/mixed and OUT/mixed_tagged
+(DeepSpeed's own tag): one CPU process, gloo, DeepSpeed alone (no Lightning). The model has the parameter names and
+shapes of tests/scripts/fit_mlp.py's MLP, so a pure-bf16 run can continue from it."""
 
 import argparse
 import os
@@ -16,7 +17,18 @@ from torch import nn  # noqa: E402
 out = Path(sys.argv[1])
 deepspeed.init_distributed("gloo", dist_init_required=True)
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+model = MLP()
 config = {
     "train_micro_batch_size_per_gpu": 4,
     "bf16": {"enabled": True},
@@ -26,7 +38,14 @@ config = {
 engine, _, _, _ = deepspeed.initialize(
     args=argparse.Namespace(device_rank=0),
     model=model,
-    optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+    # The param groups of fit_mlp.py's configure_optimizers.
+    optimizer=torch.optim.AdamW(
+        [
+            {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    ),
     config=config,
     dist_init_required=False,
 )

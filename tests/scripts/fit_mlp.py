@@ -182,6 +182,8 @@ def main(out: Path, opts: dict) -> None:
     trainer.fit(model, loader, loader, ckpt_path=opts.get("ckpt_path"))
     if opts.get("save_at_end"):
         trainer.save_checkpoint(opts["save_at_end"])
+    if "state" not in capture.captured:  # a resumed fit with nothing left to do ends before on_train_end
+        capture.on_train_end(trainer, model)
     strat = trainer.strategy
     zero = strat.deepspeed_engine.optimizer
     flat = [t.detach().clone() for t in zero.fp16_partitioned_groups_flat]

@@ -1,0 +1,383 @@
+"""ZeRO-3 checkpoints at any world size: per-parameter state read from the rank files, written into another layout.
+
+A ZeRO-3 checkpoint holds, per rank, one flat partition per sub-group: rank ``r`` has elements
+``[r * ceil(n / W), (r + 1) * ceil(n / W))`` of every parameter of ``n`` elements (zero-padded), concatenated in
+the sub-group's order (``param_shapes`` in the model-state files). :class:`ZeroCheckpoint` reads any stored value of
+one parameter back into its full tensor: the weight, both moments (8-bit codes decoded with their block scales) and
+the Kahan remainder (an 8-bit remainder decoded against its weight). The rank files are memory-mapped, so a reader
+touches only the pages it needs.
+
+:func:`load_repartitioned` writes a checkpoint into a live ZeRO-3 optimizer of another world size or sub-group
+layout: each rank takes its own slice of every parameter, the weights go into the parameter partitions, the moments
+and remainder through :meth:`AdamW.load_state_dict` (which encodes them into the run's formats and storage), with the
+saved step, hyperparameters and skipped-step count. A DeepSpeed bf16-mixed checkpoint (fp32 masters, fp32 moments)
+loads the same way: the weights are rounded to nearest bf16, the moments to the run's format, and under Kahan the
+remainder starts as the master minus its bf16 rounding, so no part of the master is lost.
+
+:func:`export_universal` writes DeepSpeed's universal checkpoint layout (``zero/<param>/fp32.pt``, ``exp_avg.pt``,
+``exp_avg_sq.pt`` and, for pure bf16, ``kahan_comp.pt``), which DeepSpeed's engine loads with
+``"checkpoint": {"load_universal": true}`` at any world size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pure_bf16 import _internals
+from lightning_pure_bf16.ops import quant
+
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+# The keys of DeepSpeed's model-state file that are DeepSpeed's own (what its engine strips from the client state).
+_DEEPSPEED_KEYS = (
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "checkpoint_parallel_dimensions",
+    "ds_config",
+    "ds_version",
+)
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS = (*MOMENT_KEYS, "kahan_comp")
+_EXTRA_KEY = "pure_bf16"
+
+
+class RepartitionError(RuntimeError):
+    """A ZeRO-3 checkpoint cannot be read, or does not fit the model it is loaded into."""
+
+
+@dataclass(frozen=True)
+class _Place:
+    sub_group: int
+    offset: int  # within each rank's flat partition of the sub-group
+    numel: int
+    shape: tuple[int, ...]
+
+
+class ZeroCheckpoint:
+    """Reads one tag directory of a DeepSpeed ZeRO-3 checkpoint (this package's or DeepSpeed's own), any world size.
+
+    Args:
+        tag_dir: the directory holding ``*_model_states.pt`` and ``*_optim_states.pt``.
+    """
+
+    def __init__(self, tag_dir: str | os.PathLike) -> None:
+        self.dir = Path(tag_dir)
+        optim = _rank_files(self.dir, _OPTIM_FILE)
+        model = _rank_files(self.dir, _MODEL_FILE)
+        if not optim or not model:
+            raise RepartitionError(
+                f"'{self.dir}' holds no ZeRO-3 model and optimizer state files (zero_pp_rank_*_mp_rank_00_*.pt): it"
+                " is not a DeepSpeed ZeRO-3 checkpoint tag directory."
+            )
+        self.world_size = len(optim)
+        if len(model) != self.world_size:
+            raise RepartitionError(
+                f"'{self.dir}' has {len(optim)} optimizer state files and {len(model)} model state files; a ZeRO-3"
+                " checkpoint has one of each per rank. The checkpoint is incomplete."
+            )
+        self._optim_files, self._model_files = optim, model
+        self.model_state: dict[str, Any] = _load(model[0])
+        shapes = self.model_state.get("param_shapes")
+        if not isinstance(shapes, list):
+            raise RepartitionError(f"'{model[0]}' has no ZeRO-3 `param_shapes`: not a ZeRO-3 checkpoint.")
+        self.places: dict[str, _Place] = {}
+        self.sub_groups: list[list[str]] = []
+        for sub_group, names in enumerate(shapes):
+            offset = 0
+            self.sub_groups.append(list(names))
+            for name, shape in names.items():
+                numel = math.prod(shape)
+                self.places[name] = _Place(sub_group, offset, numel, tuple(shape))
+                offset += math.ceil(numel / self.world_size)
+        self._zero: dict[int, dict[str, Any]] = {}
+        self._decoded: dict[tuple[int, int, str], torch.Tensor] = {}
+        zero0 = self._zero_state(0)
+        count = zero0.get("partition_count")
+        if isinstance(count, int) and count != self.world_size:
+            raise RepartitionError(
+                f"'{self._optim_files[0]}' was written by {count} ranks but '{self.dir}' holds {self.world_size}"
+                " optimizer state files: the checkpoint is incomplete or mixes two saves."
+            )
+        inner = zero0["optimizer_state_dict"]
+        self.param_groups: list[dict[str, Any]] = inner["param_groups"]
+        self.sub_group_to_group = {i: g for g, group in enumerate(self.param_groups) for i in group["params"]}
+        self.extra: dict[str, Any] | None = inner.get(_EXTRA_KEY)
+        self.master_dtype: torch.dtype = zero0["fp32_flat_groups"][0].dtype
+
+    # -------------------------------------------------------------------------------------------------- reading
+    def _zero_state(self, rank: int) -> dict[str, Any]:
+        if rank not in self._zero:
+            self._zero[rank] = _load(self._optim_files[rank])["optimizer_state_dict"]
+        return self._zero[rank]
+
+    def _inner_state(self, rank: int, sub_group: int) -> dict[str, Any]:
+        return self._zero_state(rank)["optimizer_state_dict"]["state"].get(sub_group, {})
+
+    def stored_keys(self) -> tuple[str, ...]:
+        """The per-element optimizer state the checkpoint holds (a subset of ``exp_avg, exp_avg_sq, kahan_comp``)."""
+        state = self._inner_state(0, 0)
+        return tuple(k for k in STATE_KEYS if k in state)
+
+    def step(self) -> int | None:
+        """The optimizer step count (the same in every sub-group and rank; checked); ``None`` before any step."""
+        steps = {
+            int(torch.as_tensor(st["step"]).item())
+            for rank in range(self.world_size)
+            for sub in range(len(self.sub_groups))
+            if "step" in (st := self._inner_state(rank, sub))
+        }
+        if len(steps) > 1:
+            raise RepartitionError(f"'{self.dir}': the sub-groups hold different step counts {sorted(steps)}.")
+        return steps.pop() if steps else None
+
+    def _flat(self, rank: int, sub_group: int, key: str) -> torch.Tensor:
+        """Rank ``rank``'s flat partition of ``key`` (``"param"`` or a state key), decoded to float when 8-bit."""
+        if key == "param":
+            return self._zero_state(rank)["fp32_flat_groups"][sub_group].reshape(-1)
+        value = self._inner_state(rank, sub_group)[key].reshape(-1)
+        if value.is_floating_point():
+            return value
+        cache_key = (rank, sub_group, key)
+        if cache_key not in self._decoded:
+            if len(self._decoded) > 8:  # one sub-group at a time, in practice
+                self._decoded.clear()
+            state = self._inner_state(rank, sub_group)
+            if key == "exp_avg":
+                decoded = quant.decode_m(value, state["exp_avg_scale"])
+            elif key == "exp_avg_sq":
+                decoded = quant.decode_v(value, state["exp_avg_sq_scale"])
+            else:
+                decoded = quant.decode_residual(value, self._flat(rank, sub_group, "param"))
+            self._decoded[cache_key] = decoded
+        return self._decoded[cache_key]
+
+    def full(self, name: str, key: str = "param") -> torch.Tensor:
+        """The whole of parameter ``name``'s ``key`` (``"param"``, ``"exp_avg"``, ``"exp_avg_sq"``, ``"kahan_comp"``),
+        in its stored dtype (float32 for 8-bit codes), shaped as the parameter."""
+        place = self.places[name]
+        part = math.ceil(place.numel / self.world_size)
+        pieces = [self._flat(r, place.sub_group, key).narrow(0, place.offset, part) for r in range(self.world_size)]
+        return torch.cat(pieces)[: place.numel].view(place.shape)
+
+    def client_state(self) -> dict[str, Any]:
+        """What DeepSpeed's load returns to Lightning: the model-state file without DeepSpeed's own keys."""
+        return {k: v for k, v in self.model_state.items() if k not in _DEEPSPEED_KEYS}
+
+    def iter_params(self) -> Iterator[str]:
+        for names in self.sub_groups:
+            yield from names
+
+
+def _rank_files(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
+    found = {}
+    for p in directory.glob("*.pt"):
+        m = pattern.match(p.name)
+        if m:
+            found[int(m.group(1))] = p
+    if found and sorted(found) != list(range(len(found))):
+        raise RepartitionError(
+            f"'{directory}' holds the files of ranks {sorted(found)}: some ranks' files are missing."
+        )
+    return [found[r] for r in range(len(found))]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is named with what torch said
+        raise RepartitionError(f"Could not read '{path}': {err}") from err
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+def live_layout(zero_optimizer: Any) -> list[list[str]]:
+    """Parameter names per sub-group of a live ZeRO-3 optimizer (compare with :attr:`ZeroCheckpoint.sub_groups`)."""
+    return [[name for name, _, _ in sub.params] for sub in _internals.zero3_layout(zero_optimizer)]
+
+
+@torch.no_grad()
+def load_repartitioned(
+    checkpoint: ZeroCheckpoint, zero_optimizer: Any, *, rank: int, world_size: int, load_optimizer_states: bool = True
+) -> str:
+    """Write ``checkpoint`` into this rank's partitions of a live ZeRO-3 optimizer; returns what was loaded, in words.
+
+    Everything is checked before anything is written: every live parameter must be in the checkpoint with its shape,
+    and the param groups must match.
+    """
+    layout = _internals.zero3_layout(zero_optimizer)
+    inner = _internals.zero3_inner_optimizer(zero_optimizer)
+    missing = [n for sub in layout for n, _, _ in sub.params if n not in checkpoint.places]
+    if missing:
+        raise RepartitionError(
+            f"The checkpoint '{checkpoint.dir}' has no parameter {missing[0]!r} ({len(missing)} missing in all): it"
+            " was saved from another model."
+        )
+    for sub in layout:
+        for name, numel, _ in sub.params:
+            if checkpoint.places[name].numel != numel:
+                raise RepartitionError(
+                    f"Parameter {name!r} has {numel} elements here and {checkpoint.places[name].numel} in the"
+                    f" checkpoint '{checkpoint.dir}': it was saved from another model."
+                )
+    if load_optimizer_states and len(checkpoint.param_groups) != len(inner.param_groups):
+        raise RepartitionError(
+            f"The checkpoint '{checkpoint.dir}' has {len(checkpoint.param_groups)} parameter groups, this run's"
+            f" optimizer {len(inner.param_groups)}: configure_optimizers must build the same groups."
+        )
+    saved_keys = checkpoint.stored_keys()
+    fp32_masters = checkpoint.master_dtype == torch.float32
+    kahan = [g["rounding"] == "kahan" for g in inner.param_groups] if hasattr(inner, "seed") else []
+
+    def slice_of(name: str, key: str, part: int) -> torch.Tensor:
+        full = checkpoint.full(name, key).reshape(-1)
+        padded = torch.nn.functional.pad(full, (0, part * world_size - full.numel()))
+        return padded.narrow(0, rank * part, part)
+
+    states: dict[int, dict[str, Any]] = {}
+    with _internals.zero3_partitioned_for_load(zero_optimizer):
+        for index, sub in enumerate(layout):
+            want_comp = load_optimizer_states and bool(kahan) and kahan[sub.group]
+            buffers = {key: [] for key in saved_keys if load_optimizer_states}
+            if want_comp and "kahan_comp" not in buffers:
+                buffers["kahan_comp"] = []
+            offset = 0
+            for name, _, part in sub.params:
+                master = slice_of(name, "param", part)
+                weight = master.to(torch.bfloat16)
+                sub.flat.narrow(0, offset, part).copy_(weight)
+                for key, pieces in buffers.items():
+                    if key in saved_keys:
+                        pieces.append(slice_of(name, key, part))
+                    elif fp32_masters:  # the part of the master the bf16 weight does not hold
+                        pieces.append(master.float() - weight.float())
+                    else:
+                        pieces.append(torch.zeros(part, dtype=torch.float32))
+                offset += part
+            if buffers and checkpoint.step() is not None:
+                states[index] = {"step": torch.tensor(checkpoint.step(), dtype=torch.int64)}
+                for key, pieces in buffers.items():
+                    if key == "kahan_comp" and not want_comp:
+                        continue
+                    value = torch.cat(pieces) if pieces else torch.zeros(0)
+                    states[index][key] = value.to(sub.flat.device)
+    if not load_optimizer_states:
+        return "weights"
+    skipped = int(checkpoint.extra["skipped_steps"]) if checkpoint.extra else 0
+    with _internals.zero3_inner_params_in_groups(zero_optimizer):
+        flats = [p for g in inner.param_groups for p in g["params"]]
+        index_of = {id(p): i for i, p in enumerate(flats)}
+        if [id(sub_flat) for sub_flat in _internals.zero3_master_partitions(zero_optimizer)] != [id(p) for p in flats]:
+            raise _internals.UpstreamChanged(
+                "ZeRO-3's inner optimizer groups do not hold the sub-group partitions in sub-group order."
+            )
+        groups = []
+        for ours, saved in zip(inner.param_groups, checkpoint.param_groups):
+            group = {k: v for k, v in ours.items() if k != "params"}
+            group.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in saved})
+            group["params"] = [index_of[id(p)] for p in ours["params"]]
+            groups.append(group)
+        sd: dict[str, Any] = {"state": states, "param_groups": groups}
+        if hasattr(inner, "seed"):
+            sd[_EXTRA_KEY] = {"seed": inner.seed, "skipped_steps": skipped, "next_stream": 0}
+        inner.load_state_dict(sd)
+    loaded = ["weights"] + [k for k in STATE_KEYS if any(k in st for st in states.values())]
+    if fp32_masters and "kahan_comp" in loaded:
+        loaded[-1] = "kahan_comp (from the fp32 masters)"
+    return ", ".join(loaded) + f", step {checkpoint.step() or 0}, {skipped} skipped steps"
+
+
+# ------------------------------------------------------------------------------------------------ consolidation
+def consolidate_optimizer_state(tag_dir: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter name, the optimizer state the run held: ``exp_avg``, ``exp_avg_sq``, ``kahan_comp`` when
+    present (bf16 as stored; 8-bit codes decoded to float32 with their block scales) and ``step`` (int64)."""
+    ckpt = ZeroCheckpoint(tag_dir)
+    step = ckpt.step()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name in ckpt.iter_params():
+        entry = {key: ckpt.full(name, key).clone() for key in ckpt.stored_keys()}
+        if step is not None:
+            entry["step"] = torch.tensor(step, dtype=torch.int64)
+        out[name] = entry
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- universal layout
+def export_universal(tag_dir: str | os.PathLike, output: str | os.PathLike, *, tag: str = "universal") -> Path:
+    """Write a ZeRO-3 checkpoint in DeepSpeed's universal layout under ``output/tag`` (``output/latest_universal``
+    names the tag), to be loaded by DeepSpeed's engine with ``"checkpoint": {"load_universal": true}`` at any world
+    size, or by this package.
+
+    Per parameter: ``fp32.pt`` (the weights, exactly), ``exp_avg.pt`` and ``exp_avg_sq.pt`` (float32, 8-bit moments
+    decoded), and ``kahan_comp.pt`` when the run kept a Kahan remainder (DeepSpeed's loader ignores it). Written to a
+    staging directory, fsynced, and moved into place complete.
+    """
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+
+    from lightning_pure_bf16.checkpoint import fsync_tree
+
+    ckpt = ZeroCheckpoint(tag_dir)
+    output = Path(output)
+    final = output / tag
+    if final.exists():
+        raise FileExistsError(f"'{final}' exists; export into a new directory.")
+    staged = output / f".{tag}.part"
+    if staged.exists():
+        shutil.rmtree(staged)
+    (staged / "zero").mkdir(parents=True)
+    keys = ckpt.stored_keys()
+    for name in ckpt.iter_params():
+        folder = staged / "zero" / name
+        folder.mkdir()
+        torch.save({PARAM: ckpt.full(name).float().clone()}, folder / "fp32.pt")
+        for key in keys:
+            torch.save({PARAM: ckpt.full(name, key).float().clone()}, folder / f"{key}.pt")
+    zero0 = dict(ckpt._zero_state(0))
+    inner = dict(zero0[OPTIMIZER_STATE_DICT])
+    step = ckpt.step() or 0
+    # DeepSpeed's loader reads the step of state 0 and the hyperparameters of group 0 from this file.
+    inner["state"] = {0: {"step": torch.tensor(float(step))}}
+    zero0.pop("fp32_flat_groups", None)
+    zero0[OPTIMIZER_STATE_DICT] = inner
+    zero0[PARAM_GROUPS] = inner["param_groups"]
+    torch.save(zero0, staged / "zero" / "optimizer_state.pt")
+    for f in ckpt._model_files:
+        shutil.copy2(f, staged / f.name)
+    fsync_tree(staged)
+    output.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, final)
+    latest = output / "latest_universal.part"
+    latest.write_text(tag)
+    os.replace(latest, output / "latest_universal")
+    fsync_tree(output, recursive=False)
+    return final
+
+
+__all__ = [
+    "RepartitionError",
+    "ZeroCheckpoint",
+    "consolidate_optimizer_state",
+    "export_universal",
+    "live_layout",
+    "load_repartitioned",
+]
