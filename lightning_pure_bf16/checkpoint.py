@@ -286,6 +286,18 @@ def consolidate_optimizer_state(path: str | os.PathLike) -> dict[str, dict[str, 
         raise CheckpointError(str(err)) from err
 
 
+def export_universal_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> Path:
+    """Write a checkpoint (any world size) in DeepSpeed's universal layout under ``output/universal``; see
+    :func:`lightning_pure_bf16.repartition.export_universal`."""
+    from lightning_pure_bf16.repartition import RepartitionError, export_universal
+
+    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True)
+    try:
+        return export_universal(tag_directory(directory, manifest), output)
+    except RepartitionError as err:
+        raise CheckpointError(str(err)) from err
+
+
 def save_state_dict(state: dict[str, torch.Tensor], output: str | os.PathLike) -> Path:
     """Write a state dict as ``.safetensors`` (or ``.pt``/``.pth``/``.bin`` with ``torch.save``), atomically and
     durably (an existing file at ``output`` stays whole until the new one is complete on the disk)."""
@@ -311,6 +323,7 @@ __all__ = [
     "CheckpointError",
     "consolidate_checkpoint",
     "consolidate_optimizer_state",
+    "export_universal_checkpoint",
     "fsync_tree",
     "save_state_dict",
     "validate_checkpoint",

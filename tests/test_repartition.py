@@ -1,0 +1,287 @@
+"""Resume anywhere: another world size or sub-group layout, DeepSpeed's own checkpoints both ways, a kill at any instant
+of a save, the manifest's format."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_pure_bf16 import CheckpointError, consolidate_checkpoint
+from lightning_pure_bf16.checkpoint import (
+    MANIFEST,
+    consolidate_optimizer_state,
+    export_universal_checkpoint,
+    validate_checkpoint,
+)
+from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint
+from tests.strategy_runs import SCRIPTS, fit, load_ranks, run_script
+
+# Kahan, a scheduler, and an inf/NaN step (2) on one rank: every counter and buffer a checkpoint holds is non-trivial.
+RUN = {"strategy": {"rounding": "kahan"}, "scheduler": True, "nan_rank": 0, "nan_step": 2}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """2 ranks, 11 steps, a checkpoint at step 8."""
+    out = tmp_path_factory.mktemp("source")
+    fit(out, devices=2, steps=11, ckpt_every=8, **RUN)
+    return out / "ckpts" / "epoch=0-step=8.ckpt", load_ranks(out)
+
+
+def _resave(tmp_path_factory, name, ckpt, devices, steps=8, **extra):
+    """Load ``ckpt`` at ``devices`` ranks and save it again at once (no step between)."""
+    out = tmp_path_factory.mktemp(name)
+    opts = {**RUN, **extra}
+    fit(out, devices=devices, steps=steps, ckpt_path=str(ckpt), save_at_end=str(out / "resaved"), **opts)
+    return out / "resaved", out
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, source):
+    """2 -> 1 -> 2 ranks, and 2 -> 3 ranks with 64-element sub-groups (11 sub-groups instead of 2)."""
+    one, out1 = _resave(tmp_path_factory, "to1", source[0], devices=1)
+    two, _ = _resave(tmp_path_factory, "to2", one, devices=2)
+    three, out3 = _resave(
+        tmp_path_factory, "to3", source[0], devices=3, strategy={"rounding": "kahan", "sub_group_size": 64}
+    )
+    return {"1": one, "2": two, "3": three, "log1": out1, "log3": out3}
+
+
+def _assert_same_state(a, b):
+    wa, wb = consolidate_checkpoint(a), consolidate_checkpoint(b)
+    assert set(wa) == set(wb)
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+    oa, ob = consolidate_optimizer_state(a), consolidate_optimizer_state(b)
+    assert set(oa) == set(ob)
+    for name in oa:
+        assert set(oa[name]) == set(ob[name]) == {"exp_avg", "exp_avg_sq", "kahan_comp", "step"}
+        for key in oa[name]:
+            assert oa[name][key].dtype == ob[name][key].dtype
+            assert torch.equal(oa[name][key], ob[name][key]), (name, key)
+
+
+@pytest.mark.parametrize("hop", ["1", "2", "3"])
+def test_repartitioned_checkpoint_saved_again_holds_every_value_bit_for_bit(source, chain, hop):
+    _assert_same_state(source[0], chain[hop])
+    saved = ZeroCheckpoint(chain[hop] / "checkpoint")
+    assert saved.world_size == int(hop)
+    assert saved.extra["skipped_steps"] == 1 and saved.step() == 7  # 8 steps, one skipped
+    assert json.loads((chain[hop] / MANIFEST).read_text())["world_size"] == int(hop)
+
+
+def test_sub_group_size_changed_too(chain):
+    assert len(ZeroCheckpoint(chain["3"] / "checkpoint").sub_groups) > 2
+    assert len(ZeroCheckpoint(chain["2"] / "checkpoint").sub_groups) == 2
+
+
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory, source):
+    """The step-8 checkpoint continued to step 11 on 1 and on 3 ranks."""
+    runs = {}
+    for devices in (1, 3):
+        out = tmp_path_factory.mktemp(f"continued{devices}")
+        proc = fit(out, devices=devices, steps=11, ckpt_path=str(source[0]), **RUN)
+        runs[devices] = (load_ranks(out, devices)[0], proc.stdout + proc.stderr)
+    return runs
+
+
+def test_training_continues_on_the_uninterrupted_curve(source, continued):
+    whole = source[1][0]["losses"]
+    # Steps 8-10 of the uninterrupted run; its own step-to-step spread over steps 4-10 sets the tolerance (the data a
+    # rank sees differs with the world size, so the losses can only agree within that spread).
+    spread = statistics.pstdev(whole[4:11])
+    for devices, (rank0, _) in continued.items():
+        assert rank0["global_step"] == 11
+        assert rank0["lrs"] == source[1][0]["lrs"][8:11]  # the LR schedule continues
+        assert rank0["skipped_steps"] == 1
+        resumed = rank0["losses"]
+        assert len(resumed) == 3
+        assert abs(statistics.mean(resumed) - statistics.mean(whole[8:11])) <= 2 * spread, (devices, resumed, whole)
+        # Adam's moments came along: every parameter has taken 7 + 3 steps.
+        assert all(int(st["step"]) == 10 for st in rank0["state"].values())
+
+
+def test_the_log_says_the_checkpoint_was_repartitioned(continued):
+    _, log = continued[3]
+    assert "re-partitioned the pure bf16 checkpoint" in log and "written by 2 rank(s)" in log and "to 3 rank(s)" in log
+    assert "exp_avg, exp_avg_sq, kahan_comp, step 7, 1 skipped steps" in log
+
+
+def test_repartition_into_state_files(tmp_path_factory, source):
+    state_dir = tmp_path_factory.mktemp("mmap_states")
+    strategy = {"rounding": "kahan", "state_storage": "mmap", "state_dir": str(state_dir)}
+    resaved, out = _resave(tmp_path_factory, "mmap", source[0], devices=1, strategy=strategy)
+    _assert_same_state(source[0], resaved)
+    assert all(f for files in load_ranks(out, 1)[0]["state_files"] for f in files.values())  # file-backed
+
+
+def test_int8_states_repartitioned(tmp_path_factory):
+    strategy = {"rounding": "kahan", "moments": "int8", "compensation": "int8"}
+    src = tmp_path_factory.mktemp("int8_source")
+    fit(src, devices=2, steps=6, save_at_end=str(src / "final"), strategy=strategy)
+    resaved, _ = _resave(tmp_path_factory, "int8_to1", src / "final", devices=1, steps=6, strategy=strategy)
+    wa, wb = consolidate_checkpoint(src / "final"), consolidate_checkpoint(resaved)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa, ob = consolidate_optimizer_state(src / "final"), consolidate_optimizer_state(resaved)
+    for name in oa:
+        # The remainder is in units of its own weight's spacing, which did not change: exact.
+        assert torch.equal(oa[name]["kahan_comp"], ob[name]["kahan_comp"]), name
+        assert int(ob[name]["step"]) == int(oa[name]["step"]) == 6
+        # The 8-bit moments are re-encoded in the new blocks, stochastically rounded between neighbouring levels: off
+        # by at most one level of the new block (its scale is at most the largest magnitude, rounded up to bf16),
+        # plus the bf16 rounding of the decoded value on the way.
+        for key, widest_level in (("exp_avg", 255 / 127**2), ("exp_avg_sq", 1 - (254 / 255) ** 4)):
+            a, b = oa[name][key], ob[name][key]
+            bound = a.abs().max() * (1 + 2**-7) * widest_level + a.abs() * 2**-8
+            assert ((a - b).abs() <= bound).all(), (name, key)
+            assert not torch.equal(a, torch.zeros_like(a))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_mixed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds_mixed")
+    run_script("ds_mixed_checkpoint.py", out)
+    return out / "mixed"
+
+
+def test_a_deepspeed_bf16_mixed_checkpoint_continues_in_pure_bf16(tmp_path_factory, deepspeed_mixed):
+    resaved, out = _resave(tmp_path_factory, "from_mixed", deepspeed_mixed, devices=2, steps=0, nan_rank=None)
+    src, dst = ZeroCheckpoint(deepspeed_mixed / "checkpoint"), ZeroCheckpoint(resaved / "checkpoint")
+    assert src.master_dtype == torch.float32 and dst.master_dtype == torch.bfloat16
+    assert dst.step() == src.step() == 2
+    for name in src.iter_params():
+        master, weight, comp = src.full(name), dst.full(name), dst.full(name, "kahan_comp")
+        assert torch.equal(weight, master.to(torch.bfloat16)), name
+        # The remainder holds what the bf16 weight does not: weight + remainder is the master to bf16's precision
+        # of the remainder (16 more bits), instead of the weight's own rounding error.
+        assert ((weight.float() + comp.float()) - master).abs().max() <= (master - weight.float()).abs().max() / 64
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(dst.full(name, key), src.full(name, key).to(torch.bfloat16)), (name, key)
+    more = tmp_path_factory.mktemp("from_mixed_more")
+    proc = fit(more, devices=1, steps=3, ckpt_path=str(deepspeed_mixed), **{**RUN, "nan_rank": None})
+    rank0 = load_ranks(more, 1)[0]
+    assert "written by DeepSpeed without Lightning" in proc.stdout + proc.stderr
+    assert all(torch.isfinite(torch.tensor(rank0["losses"]))) and len(rank0["losses"]) == 3
+    assert all(int(st["step"]) == 5 for st in rank0["state"].values())  # 2 DeepSpeed steps + 3 here
+
+
+def test_exported_universal_checkpoint_loads_in_deepspeeds_own_engine(source, tmp_path):
+    written = export_universal_checkpoint(source[0], tmp_path / "universal_out")
+    assert (tmp_path / "universal_out" / "latest_universal").read_text() == "universal"
+    assert {p.name for p in (written / "zero" / "net.0.weight").iterdir()} == {
+        "fp32.pt",
+        "exp_avg.pt",
+        "exp_avg_sq.pt",
+        "kahan_comp.pt",
+    }
+    run_script("ds_load_universal.py", tmp_path, str(tmp_path / "universal_out"))
+    ours, theirs = ZeroCheckpoint(source[0] / "checkpoint"), ZeroCheckpoint(tmp_path / "reloaded" / "checkpoint")
+    assert theirs.world_size == 1 and theirs.master_dtype == torch.float32 and theirs.step() == ours.step()
+    for name in ours.iter_params():
+        assert torch.equal(theirs.full(name), ours.full(name).float()), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(theirs.full(name, key), ours.full(name, key).float()), (name, key)
+
+
+def test_export_command_refuses_an_existing_output(source, tmp_path):
+    cmd = [sys.executable, "-m", "lightning_pure_bf16.export_universal", str(source[0]), str(tmp_path)]
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and "exists; export into a new directory" in again.stderr
+
+
+def test_consolidate_command_writes_the_optimizer_state(source, tmp_path):
+    from safetensors.torch import load_file
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_pure_bf16.consolidate",
+        str(source[0]),
+        str(tmp_path / "w.safetensors"),
+        "--optimizer-state",
+        str(tmp_path / "opt.safetensors"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    saved = load_file(tmp_path / "opt.safetensors")
+    expected = consolidate_optimizer_state(source[0])
+    assert set(saved) == {f"{name}.{key}" for name, st in expected.items() for key in st}
+    assert all(torch.equal(saved[f"{n}.{k}"], v) for n, st in expected.items() for k, v in st.items())
+
+
+# ----------------------------------------------------------------------------------------- a kill during a save
+# (instant, which checkpoint the path holds afterwards): between DeepSpeed's files, after all of them, with the
+# manifest written but not in place, before the previous checkpoint is moved aside, between the two renames, and
+# before the previous one is deleted.
+INSTANTS = [
+    ("file:1", "previous"),
+    ("file:4", "previous"),
+    ("replace:1", "previous"),
+    ("replace:2", "previous"),
+    ("replace:3", "new"),
+    ("rmtree:1", "new"),
+    ("none", "new"),
+]
+
+
+def _crash_save(target, new, instant) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPTS / "crash_save.py"), str(target), str(new), instant]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("instant", "expected"), INSTANTS)
+def test_a_save_killed_at_any_instant_leaves_a_whole_checkpoint(source, tmp_path, instant, expected):
+    previous = source[0]
+    # The new checkpoint: the previous one with one weight changed, so the two are told apart.
+    new = tmp_path / "new_source"
+    shutil.copytree(previous, new)
+    (new / MANIFEST).unlink()
+    sd_path = next((new / "checkpoint").glob("*rank_0_*optim_states.pt"))
+    sd = torch.load(sd_path, weights_only=False)
+    with torch.no_grad():
+        sd["optimizer_state_dict"]["fp32_flat_groups"][0][0] += 1.0
+    torch.save(sd, sd_path)
+    target = tmp_path / "last.ckpt"
+    shutil.copytree(previous, target)
+    proc = _crash_save(target, new, instant)
+    assert proc.returncode == (0 if instant == "none" else 9), proc.stderr
+    _, manifest = validate_checkpoint(target)
+    assert manifest is not None
+    got, old = consolidate_checkpoint(target), consolidate_checkpoint(previous)
+    changed = {k for k in old if not torch.equal(got[k], old[k])}
+    if expected == "previous":
+        assert not changed
+    else:
+        assert changed == {"net.0.weight"}
+        assert got["net.0.weight"][0, 0] == (old["net.0.weight"][0, 0].float() + 1.0).to(torch.bfloat16)
+    # The next save to the same path succeeds and leaves nothing else behind.
+    assert _crash_save(target, new, "none").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "new_source"]
+
+
+def test_an_unknown_manifest_format_is_refused(source, tmp_path):
+    target = tmp_path / "future.ckpt"
+    shutil.copytree(source[0], target)
+    manifest = json.loads((target / MANIFEST).read_text())
+    manifest["format"] = 2
+    (target / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=rf"'{target / MANIFEST}' has checkpoint format 2.*upgrade"):
+        validate_checkpoint(target)
+
+
+def test_missing_rank_files_are_named(source, tmp_path):
+    target = tmp_path / "cut"
+    shutil.copytree(source[0] / "checkpoint", target)
+    next(target.glob("*rank_0_*optim_states.pt")).unlink()
+    with pytest.raises(RepartitionError, match="ranks \\[1\\]: some ranks' files are missing"):
+        ZeroCheckpoint(target)
+    with pytest.raises(RepartitionError, match="not a DeepSpeed ZeRO-3 checkpoint"):
+        ZeroCheckpoint(tmp_path)
