@@ -11,6 +11,7 @@ import hashlib
 import math
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics import MeanMetric
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError as err:  # pragma: no cover - an install without the examples' extra
+    raise ImportError(
+        "The examples need torchdata (its StatefulDataLoader resumes a checkpoint mid-epoch): "
+        'pip install -e ".[examples]" (or pip install "torchdata>=0.10").'
+    ) from err
+
+# torchdata 0.11 calls a torch function that torch 2.13 deprecates; nothing for a user to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 @dataclass
@@ -166,8 +178,10 @@ class StdlibBytes(LightningDataModule):
         self.train_set = ByteWindows(self.train_bytes, self.block_size, self.train_windows, self.seed)
         self.val_set = ByteWindows(self.val_bytes, self.block_size, self.val_windows, self.seed + 1)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False)
+    def train_dataloader(self) -> StatefulDataLoader:
+        # Stateful: a checkpoint records how far into the epoch training was, and a run resumed from it continues
+        # with the next batch, exactly as if it had not stopped. (The windows are already in random order.)
+        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False)
@@ -250,7 +264,7 @@ class TrainingReport(Callback):
     """At the end of fit, rank 0 prints the validation loss, training tokens/s and the model-state memory report."""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._tokens, self._start = 0, time.perf_counter()
+        self._tokens, self._start, self._first_step = 0, time.perf_counter(), trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:  # noqa: ANN001
         self._tokens += batch[0].numel() * trainer.world_size
@@ -264,7 +278,7 @@ class TrainingReport(Callback):
             if val is not None
             else "validation loss: not computed",
             f"training throughput: {self.tokens_per_s:,.0f} tokens/s over {trainer.world_size} process(es),"
-            f" {trainer.global_step} steps in {elapsed:.0f} s",
+            f" {trainer.global_step - self._first_step} steps in {elapsed:.0f} s (global step {trainer.global_step})",
         ]
         report = getattr(trainer.strategy, "memory_report", None)
         if report is not None:

@@ -6,6 +6,8 @@ printing the validation loss, the training throughput and the measured model-sta
     python examples/train_gpt.py                        # the defaults below
     python examples/train_gpt.py --rounding kahan --max-steps 500
     python examples/train_gpt.py --state-dir /local/nvme/tmp     # optimizer states in memory-mapped files
+    python examples/train_gpt.py --ckpt-dir ckpts --ckpt-every 100     # checkpoints; then, on any number of devices:
+    python examples/train_gpt.py --ckpt-dir ckpts --resume ckpts/last.ckpt
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import torch
 from gpt import GPTModule, StdlibBytes, TrainingReport
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision
 
@@ -31,6 +34,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--state-dir", default=None, help="keep the optimizer states in memory-mapped files there")
+    parser.add_argument("--ckpt-dir", default=None, help="save checkpoints there (step-N.ckpt and last.ckpt)")
+    parser.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (with --ckpt-dir)")
+    parser.add_argument("--resume", default=None, help="continue from this checkpoint (any world size, mid-epoch too)")
     parser.add_argument(
         "--cpu-matmul",
         choices=("auto", "bf16", "float32"),
@@ -44,6 +50,18 @@ def main() -> None:
         n_layer=args.n_layer, n_embd=args.n_embd, n_head=max(4, args.n_embd // 64), lr=args.lr, max_steps=args.max_steps
     )
     data = StdlibBytes(batch_size=args.batch_size, train_windows=args.max_steps * args.batch_size * args.devices)
+    checkpoints = []
+    if args.ckpt_dir:
+        checkpoints.append(
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir,
+                filename="step-{step}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=args.ckpt_every or args.max_steps,
+                save_top_k=-1,
+                save_last=True,
+            )
+        )
     trainer = Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=args.devices,
@@ -57,12 +75,12 @@ def main() -> None:
         val_check_interval=max(1, args.max_steps // 3),
         limit_val_batches=16 if on_gpu else 4,
         num_sanity_val_steps=0,
-        callbacks=[TrainingReport()],
+        callbacks=[TrainingReport()] + checkpoints,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(checkpoints),
         log_every_n_steps=10,
     )
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Importing the package registers ``"deepspeed_pure_bf16"``, ``"deepspeed_pure_bf1
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint
+from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint, consolidate_optimizer_state
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.precision import PureBF16Precision
@@ -26,4 +26,5 @@ __all__ = [
     "StateStorageError",
     "__version__",
     "consolidate_checkpoint",
+    "consolidate_optimizer_state",
 ]

@@ -72,3 +72,23 @@ def test_gpt_yaml_through_lightning_cli(tmp_path):
     proc = _run(["gpt_cli.py", "fit", "--config", "gpt.yaml", *small])
     out = proc.stdout + proc.stderr
     assert "validation loss:" in out and "model state per parameter: 8.00 B/param" in out
+
+
+def test_gpt_example_resumes_mid_epoch_bit_for_bit(tmp_path):
+    # One epoch is --max-steps steps; the checkpoint at step 3 of 6 is mid-epoch.
+    small = ["--max-steps", "6", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4", "--ckpt-every", "3"]
+    _run(["train_gpt.py", *small, "--ckpt-dir", str(tmp_path / "whole")])
+    resume = ["--resume", str(tmp_path / "whole/step-3.ckpt")]
+    proc = _run(["train_gpt.py", *small, "--ckpt-dir", str(tmp_path / "resumed"), *resume])
+    assert "3 steps in" in proc.stdout + proc.stderr
+    from lightning_pure_bf16 import consolidate_checkpoint
+    from lightning_pure_bf16.checkpoint import consolidate_optimizer_state
+
+    whole, resumed = tmp_path / "whole/step-6.ckpt", tmp_path / "resumed/step-6.ckpt"
+    a, b = consolidate_checkpoint(whole), consolidate_checkpoint(resumed)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = consolidate_optimizer_state(whole), consolidate_optimizer_state(resumed)
+    assert all(torch.equal(oa[n][k], ob[n][k]) for n in oa for k in oa[n])
+    # Not a coincidence of an untrained model: the weights moved from the step-3 checkpoint.
+    mid = consolidate_checkpoint(tmp_path / "whole/step-3.ckpt")
+    assert any(not torch.equal(mid[k], a[k]) for k in a)

@@ -63,6 +63,7 @@ class MLP(LightningModule):
             self.net[0].requires_grad_(False)
         self.lrs: list[float] = []
         self.losses: list[float] = []
+        self.first_inputs: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -73,6 +74,7 @@ class MLP(LightningModule):
         if nan_rank is not None and self.global_rank == nan_rank and self.global_step == self.opts.get("nan_step", 2):
             loss = loss * float("nan")
         self.losses.append(loss.item())
+        self.first_inputs.append(float(x[0, 0]))
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train_loss", loss)
         return loss
@@ -169,7 +171,13 @@ def main(out: Path, opts: dict) -> None:
         enable_model_summary=False,
         deterministic=True,
     )
-    loader = DataLoader(data(), batch_size=16, shuffle=False)
+    if opts.get("stateful_data"):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        loader = StatefulDataLoader(data(), batch_size=16, shuffle=False)
+    else:
+        loader = DataLoader(data(), batch_size=16, shuffle=False)
     if opts.get("init_weights"):
         from safetensors.torch import load_file
 
@@ -179,7 +187,8 @@ def main(out: Path, opts: dict) -> None:
     if opts.get("kill_during_save"):
         _kill_after_first_staged_file()
     update_calls = _count_update_calls() if opts.get("count_updates") else None
-    trainer.fit(model, loader, loader, ckpt_path=opts.get("ckpt_path"))
+    val_loader = DataLoader(data(), batch_size=16, shuffle=False)
+    trainer.fit(model, loader, val_loader, ckpt_path=opts.get("ckpt_path"))
     if opts.get("save_at_end"):
         trainer.save_checkpoint(opts["save_at_end"])
     if "state" not in capture.captured:  # a resumed fit with nothing left to do ends before on_train_end
@@ -211,6 +220,7 @@ def main(out: Path, opts: dict) -> None:
         "skipped_steps": opt.skipped_steps,
         "memory_report": capture.captured["memory_report"],
         "losses": model.losses,
+        "first_inputs": model.first_inputs,
         "lrs": model.lrs,
         "global_step": trainer.global_step,
         "precision": type(strat.precision_plugin).__name__,
