@@ -181,6 +181,10 @@ class ZeroCheckpoint:
         pieces = [self._flat(r, place.sub_group, key).narrow(0, place.offset, part) for r in range(self.world_size)]
         return torch.cat(pieces)[: place.numel].view(place.shape)
 
+    def layout(self) -> list[list[tuple[str, int]]]:
+        """``(name, numel)`` per sub-group, as saved."""
+        return [[(name, self.places[name].numel) for name in names] for names in self.sub_groups]
+
     def client_state(self) -> dict[str, Any]:
         """What DeepSpeed's load returns to Lightning: the model-state file without DeepSpeed's own keys."""
         return {k: v for k, v in self.model_state.items() if k not in _DEEPSPEED_KEYS}
@@ -211,9 +215,9 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def live_layout(zero_optimizer: Any) -> list[list[str]]:
-    """Parameter names per sub-group of a live ZeRO-3 optimizer (compare with :attr:`ZeroCheckpoint.sub_groups`)."""
-    return [[name for name, _, _ in sub.params] for sub in _internals.zero3_layout(zero_optimizer)]
+def live_layout(zero_optimizer: Any) -> list[list[tuple[str, int]]]:
+    """``(name, numel)`` per sub-group of a live ZeRO-3 optimizer (compare with :meth:`ZeroCheckpoint.layout`)."""
+    return [[(name, numel) for name, numel, _ in sub.params] for sub in _internals.zero3_layout(zero_optimizer)]
 
 
 @torch.no_grad()

@@ -426,7 +426,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             same_layout = (
                 manifest is not None
                 and saved.world_size == self.world_size
-                and saved.sub_groups == live_layout(self.deepspeed_engine.optimizer)
+                and saved.layout() == live_layout(self.deepspeed_engine.optimizer)
             )
             if not same_layout:
                 return self._load_repartitioned(saved, checkpoint_path, is_fitting)

@@ -202,11 +202,25 @@ def test_8bit_state_files_load_and_save_like_in_memory_ones(tmp_path):
     try:
         files.load_state_dict(opt.state_dict())
         assert files.state[q]["exp_avg"].dtype == torch.int8 and files.state[q]["exp_avg"].untyped_storage().filename
-        back = files.state_dict()["state"][0]
+        # torch.save writes it (codes and scales share one state file, viewed as different dtypes) and reads it back.
+        torch.save(files.state_dict(), tmp_path / "sd.pt")
+        back = torch.load(tmp_path / "sd.pt", weights_only=False)["state"][0]
         for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
             assert torch.equal(back[key], opt.state[p][key]), key
-        with pytest.raises(ValueError, match="state files hold torch.int8"):
-            files.load_state_dict(_run((700,), "auto", steps=1)[0].state_dict())
+        # bf16 moments load into 8-bit files encoded, as into 8-bit states in memory (the same bytes).
+        bf16_opt, _ = _run((700,), "auto", steps=1)
+        files.load_state_dict(bf16_opt.state_dict())
+        memory = AdamW([q.detach().clone().requires_grad_()], moments="int8", backend="auto")
+        memory.load_state_dict(bf16_opt.state_dict())
+        (mem_state,) = memory.state.values()
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+            assert torch.equal(files.state[q][key], mem_state[key]), key
+        bf16_files = AdamW([q], state_storage="mmap", state_dir=tmp_path, backend="auto")
+        try:
+            with pytest.raises(ValueError, match="8-bit moments.*Create it with `moments='int8'`"):
+                bf16_files.load_state_dict(opt.state_dict())
+        finally:
+            bf16_files.close()
     finally:
         files.close()
 

@@ -122,11 +122,14 @@ def test_repartition_into_state_files(tmp_path_factory, source):
     assert all(f for files in load_ranks(out, 1)[0]["state_files"] for f in files.values())  # file-backed
 
 
-def test_int8_states_repartitioned(tmp_path_factory):
+def test_int8_states_repartitioned_into_state_files(tmp_path_factory):
     strategy = {"rounding": "kahan", "moments": "int8", "compensation": "int8"}
     src = tmp_path_factory.mktemp("int8_source")
     fit(src, devices=2, steps=6, save_at_end=str(src / "final"), strategy=strategy)
-    resaved, _ = _resave(tmp_path_factory, "int8_to1", src / "final", devices=1, steps=6, strategy=strategy)
+    # Into 8-bit states in files on 1 rank.
+    files = {"state_storage": "mmap", "state_dir": str(tmp_path_factory.mktemp("int8_states"))}
+    into_files = {**strategy, **files}
+    resaved, _ = _resave(tmp_path_factory, "int8_to1", src / "final", devices=1, steps=6, strategy=into_files)
     wa, wb = consolidate_checkpoint(src / "final"), consolidate_checkpoint(resaved)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     oa, ob = consolidate_optimizer_state(src / "final"), consolidate_optimizer_state(resaved)
@@ -275,6 +278,13 @@ def test_an_unknown_manifest_format_is_refused(source, tmp_path):
     (target / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=rf"'{target / MANIFEST}' has checkpoint format 2.*upgrade"):
         validate_checkpoint(target)
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(source, tmp_path):
+    proc = fit(tmp_path, check=False, devices=2, steps=9, ckpt_path=str(source[0]), hidden=32, **RUN)
+    assert proc.returncode != 0
+    assert "Parameter 'net.0.weight' has 512 elements here and 1024 in the checkpoint" in proc.stderr
+    assert "saved from another model" in proc.stderr and not (tmp_path / "rank0.pt").exists()
 
 
 def test_missing_rank_files_are_named(source, tmp_path):

@@ -612,6 +612,8 @@ class AdamW(Optimizer):
                 " Save before calling `close()`."
             )
         sd = super().state_dict()
+        if self._store is not None:
+            sd["state"] = {index: _saveable(st) for index, st in sd["state"].items()}
         sd[_STATE_EXTRA_KEY] = {
             "seed": self.seed,
             "skipped_steps": self.skipped_steps,
@@ -748,23 +750,30 @@ class AdamW(Optimizer):
             for key, dtype in dtypes.items():
                 if key in state and state[key].dtype != dtype and not dtype.is_floating_point:
                     state[key] = state[key].to(dtype)
-            # Saved in bf16 or float32 (or by torch.optim), loaded into 8-bit formats: encoded once, with noise of
-            # a stream of their own (step 0 is never an update step).
-            step_keys = [stream_key(self.seed, state["stream"], 0, b) for b in Buffer]
-            if self._int8_moments(p) and "exp_avg" in state and state["exp_avg"].is_floating_point():
-                m = state.pop("exp_avg").float().reshape(-1)
-                v = state.pop("exp_avg_sq").float().reshape(-1)
-                idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
-                m_scale, v_scale = quant.block_scales(m), quant.block_scales(v)
-                state["exp_avg"] = quant.encode_m(m, m_scale, random_bits(step_keys[1], 0, idx)).view(p.shape)
-                state["exp_avg_sq"] = quant.encode_v(v, v_scale, random_bits(step_keys[2], 0, idx)).view(p.shape)
-                state["exp_avg_scale"], state["exp_avg_sq_scale"] = m_scale, v_scale
-            comp = state.get("kahan_comp")
-            if comp is not None and self.compensation == "int8" and comp.is_floating_point():
-                idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
-                flat_p = p.detach().reshape(-1)
-                codes = quant.encode_residual(comp.float().reshape(-1), flat_p, random_bits(step_keys[0], 0, idx))
-                state["kahan_comp"] = codes.view(p.shape)
+            present = {k: state[k] for k in _STORED_KEYS if k in state}
+            state.update(self._encode_float_buffers(p, state["stream"], present))
+
+    def _encode_float_buffers(
+        self, p: torch.Tensor, stream: int, buffers: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Moments or a remainder saved as floats (bf16, float32, torch.optim), for this optimizer's 8-bit formats:
+        encoded once, with noise of the tensor's own stream at step 0 (never an update step). Others unchanged."""
+        out = dict(buffers)
+        step_keys = [stream_key(self.seed, stream, 0, b) for b in Buffer]
+        idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
+        if self._int8_moments(p) and "exp_avg" in out and out["exp_avg"].is_floating_point():
+            m = out.pop("exp_avg").float().reshape(-1).to(p.device)
+            v = out.pop("exp_avg_sq").float().reshape(-1).to(p.device)
+            m_scale, v_scale = quant.block_scales(m), quant.block_scales(v)
+            out["exp_avg"] = quant.encode_m(m, m_scale, random_bits(step_keys[1], 0, idx)).view(p.shape)
+            out["exp_avg_sq"] = quant.encode_v(v, v_scale, random_bits(step_keys[2], 0, idx)).view(p.shape)
+            out["exp_avg_scale"], out["exp_avg_sq_scale"] = m_scale, v_scale
+        comp = out.get("kahan_comp")
+        if comp is not None and self.compensation == "int8" and comp.is_floating_point():
+            c = comp.float().reshape(-1).to(p.device)
+            codes = quant.encode_residual(c, p.detach().reshape(-1), random_bits(step_keys[0], 0, idx))
+            out["kahan_comp"] = codes.view(p.shape)
+        return out
 
     def _check_saved_buffers(self, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""
@@ -788,11 +797,11 @@ class AdamW(Optimizer):
                         f"The saved {key!r} of parameter {index} has shape {got}, the parameter {tuple(p.shape)}; the"
                         " state dict was saved for another model or partitioning."
                     )
-                if value.dtype.is_floating_point != dtype.is_floating_point:
+                if not value.dtype.is_floating_point and dtype.is_floating_point:
                     raise ValueError(
-                        f"The saved {key!r} of parameter {index} is {value.dtype}, this optimizer's state files hold"
-                        f" {dtype}: load the state dict into an optimizer with in-memory states of the saved format,"
-                        " then save it again, or create this one with the saved `moments`/`compensation`."
+                        f"The saved {key!r} of parameter {index} is {value.dtype} (8-bit), this optimizer's state files"
+                        f" hold {dtype}: create it with the saved `moments`/`compensation`, or load the state dict into"
+                        " an optimizer with in-memory states of the saved format and save it again."
                     )
             out[p] = buffers
         return out
@@ -804,9 +813,25 @@ class AdamW(Optimizer):
         groups = {p: g for g in self.param_groups for p in g["params"]}
         self.init_states([(p, groups[p]) for p, buffers in saved.items() if buffers])
         for p, buffers in saved.items():
-            for key, value in buffers.items():
+            # Floats saved for 8-bit files are encoded first, as in memory.
+            for key, value in self._encode_float_buffers(p, self.state[p]["stream"], buffers).items():
                 if key in self.state[p]:
                     self.state[p][key].view(-1).copy_(value.reshape(-1))
+
+
+def _saveable(state: dict[str, Any]) -> dict[str, Any]:
+    """One tensor's state with its buffers ``torch.save`` can write: the buffers of one state file share its storage,
+    and torch refuses views of one storage as different dtypes (8-bit codes, bf16 scales), so all but the first dtype
+    are copied out of the file."""
+    first: dict[int, torch.dtype] = {}
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.ndim:
+            ptr = value.untyped_storage().data_ptr()
+            if first.setdefault(ptr, value.dtype) != value.dtype:
+                value = value.clone()
+        out[key] = value
+    return out
 
 
 def _close_storage(store: MmapStateStore, streamers: dict[Any, StateStreamer]) -> None:

@@ -58,7 +58,8 @@ class MLP(LightningModule):
     def __init__(self, opts: dict) -> None:
         super().__init__()
         self.opts = opts
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+        h = opts.get("hidden", 64)
+        self.net = nn.Sequential(nn.Linear(16, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 1))
         if opts.get("freeze_first"):
             self.net[0].requires_grad_(False)
         self.lrs: list[float] = []
