@@ -77,13 +77,13 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     from lightning_pure_bf16 import AdamW
     from lightning_pure_bf16._internals import alias_bf16_master_partitions
     from lightning_pure_bf16.config import pure_bf16_deepspeed_config
+    from lightning_pure_bf16.core import init_zero3_optimizer_state
     from lightning_pure_bf16.memory import (
         is_file_backed,
         reachable_tensors,
         zero3_model_state_report,
         zero3_state_dtypes,
     )
-    from lightning_pure_bf16.strategy import init_zero3_optimizer_state
 
     if device == "cuda":
         torch.cuda.set_device(rank)  # before the process group, so NCCL binds this rank to its GPU

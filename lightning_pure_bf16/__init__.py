@@ -1,27 +1,32 @@
 """Pure-bf16 training for PyTorch Lightning: bf16 parameters, gradients and optimizer states, no fp32 master copy.
 
-Importing the package registers ``"deepspeed_pure_bf16"``, ``"deepspeed_pure_bf16_kahan"`` and
-``"deepspeed_pure_bf16_mmap"`` (optimizer states in memory-mapped files) with Lightning, so
-``Trainer(strategy="deepspeed_pure_bf16")`` works in any script or LightningCLI config that imports it.
+Importing the package registers ``"deepspeed_pure_bf16"`` and its presets (``_kahan``, ``_int8``, ``_int8_kahan``,
+``_mmap``) with Lightning's Trainer and with Fabric, so ``Trainer(strategy="deepspeed_pure_bf16")`` and
+``Fabric(strategy="deepspeed_pure_bf16")`` work in any script or LightningCLI config that imports it.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint, consolidate_optimizer_state
+from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
-from lightning_pure_bf16.precision import PureBF16Precision
+from lightning_pure_bf16.precision import PureBF16FabricPrecision, PureBF16Precision
 from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
 
 __version__ = "0.1.0"
 
 DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)
+DeepSpeedPureBF16FabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "Adam",
     "AdamW",
     "CheckpointError",
+    "DeepSpeedPureBF16FabricStrategy",
     "DeepSpeedPureBF16Strategy",
+    "PureBF16FabricPrecision",
     "PureBF16Precision",
     "StateStorageError",
     "__version__",

@@ -75,6 +75,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_STAGE3, "optimizer", "attribute", "the wrapped pure-bf16 optimizer"),
     PrivateName(_STAGE3, "fp16_groups", "attribute", "each sub-group's parameters in partition order (repartition)"),
     PrivateName(_STAGE3, "param_names", "attribute", "each parameter's name (repartition)"),
+    PrivateName(_STAGE3, "clip_grad", "attribute", "the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)"),
     PrivateName(_STAGE3, "checkpoint_event_prologue", "method", "partition every parameter before a load", ("self",)),
     PrivateName(
         _STAGE3, "checkpoint_event_epilogue", "method", "re-gather persistent parameters after a load", ("self",)
@@ -348,6 +349,23 @@ def zero3_inner_params_in_groups(zero_optimizer: Any) -> Iterator[None]:
         yield
     finally:
         _read(zero_optimizer, "_clear_fp32_optimizer_param_groups", "the inner optimizer's groups emptied")()
+
+
+def zero3_set_clip(zero_optimizer: Any, max_norm: float) -> None:
+    """The gradient norm ZeRO-3 clips to in its next step (``0``: no clipping)."""
+    _read(zero_optimizer, "clip_grad", "the norm ZeRO-3 clips to")
+    zero_optimizer.clip_grad = max_norm
+
+
+def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
+    """The 2-norm of the gradient over every rank's partition (float32), as ZeRO-3 computes it for clipping."""
+    import torch.distributed as dist
+
+    grads = zero3_grad_partition_buffer(zero_optimizer)
+    total = grads.float().pow(2).sum() if grads is not None else torch.zeros(())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    return total.sqrt()
 
 
 def set_engine_counters(engine: Any, *, global_steps: int, global_samples: int, skipped_steps: int) -> None:

@@ -39,27 +39,27 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
     if isinstance(optimizer, AdamW):
         if options.state_storage == "mmap" and optimizer.state_storage != "mmap":
             raise ValueError(
-                f"`{who}` keeps optimizer states in memory-mapped files, but `{source}` returned"
-                f" `{type(optimizer).__name__}(state_storage={optimizer.state_storage!r})`. Pass"
-                " `state_storage='mmap', state_dir=...` to it, or return a `torch.optim.AdamW` and let the strategy"
+                f"`{who}` keeps optimizer states in memory-mapped files, but got"
+                f" `{type(optimizer).__name__}(state_storage={optimizer.state_storage!r})` from `{source}`. Pass"
+                " `state_storage='mmap', state_dir=...` to it, or use a `torch.optim.AdamW` and let the strategy"
                 " convert it."
             )
         for option in ("moments", "compensation"):
             wanted, given = getattr(options, option), getattr(optimizer, option)
             if wanted != "bf16" and given != wanted:
                 raise ValueError(
-                    f"`{who}` keeps {option}={wanted!r}, but `{source}` returned"
-                    f" `{type(optimizer).__name__}({option}={given!r})`. Pass `{option}={wanted!r}` to it, or return a"
-                    " `torch.optim.AdamW` and let the strategy convert it."
+                    f"`{who}` keeps {option}={wanted!r}, but got"
+                    f" `{type(optimizer).__name__}({option}={given!r})` from `{source}`. Pass `{option}={wanted!r}` to"
+                    " it, or use a `torch.optim.AdamW` and let the strategy convert it."
                 )
         rank_zero_info(f"{who}: using the given {type(optimizer).__name__} as is.")
         return optimizer
     kind = type(optimizer)
     if kind not in ADOPTABLE:
         raise TypeError(
-            f"`{who}` can convert `torch.optim.AdamW` and `torch.optim.Adam`, but `{source}` returned"
-            f" `{kind.__module__}.{kind.__qualname__}`. Return one of those, or `lightning_pure_bf16.AdamW`/`Adam`"
-            " directly."
+            f"`{who}` can convert `torch.optim.AdamW` and `torch.optim.Adam`, but got"
+            f" `{kind.__module__}.{kind.__qualname__}` from `{source}`. Use one of those, or"
+            " `lightning_pure_bf16.AdamW`/`Adam` directly."
         )
     for group in optimizer.param_groups:
         for option, value in unsupported_torch_options(group).items():

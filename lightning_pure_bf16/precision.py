@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.fabric.plugins.precision.deepspeed import DeepSpeedPrecision as FabricDeepSpeedPrecision
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
@@ -70,24 +71,15 @@ class Float32Matmul(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class PureBF16Precision(DeepSpeedPrecision):
-    """Casts the LightningModule and floating-point batch tensors to bf16; the DeepSpeed engine runs backward and step.
+class _CpuMatmulChoice:
+    """How matrix products are computed in a CPU fit; shared by the Trainer and Fabric plugins."""
 
-    The Trainer's default precision (``"32-true"``) and ``"bf16-true"`` both mean pure bf16 under
-    ``DeepSpeedPureBF16Strategy``; every other flag is refused by the strategy with a message saying what to pass.
+    cpu_matmul: CpuMatmul
+    float32_matmul: bool
 
-    Args:
-        cpu_matmul: how matrix products are computed in a CPU fit (never on GPUs): ``"bf16"``, ``"float32"`` (from the
-            bf16 values, results rounded to bf16; see the module docstring), or ``"auto"``: float32 where the CPU has no
-            native bf16 dot products (default: ``"auto"``).
-    """
-
-    precision: Literal["bf16-true"] = "bf16-true"
-
-    def __init__(self, cpu_matmul: CpuMatmul = "auto") -> None:
+    def _set_cpu_matmul(self, cpu_matmul: CpuMatmul) -> None:
         if cpu_matmul not in _CPU_MATMUL:
-            raise ValueError(f"`PureBF16Precision(cpu_matmul={cpu_matmul!r})` is not one of {_CPU_MATMUL}.")
-        super().__init__("bf16-true")
+            raise ValueError(f"`{type(self).__name__}(cpu_matmul={cpu_matmul!r})` is not one of {_CPU_MATMUL}.")
         self.cpu_matmul = cpu_matmul
         # Decided by the strategy once the device is known (`use_float32_matmul`).
         self.float32_matmul = False
@@ -105,13 +97,50 @@ class PureBF16Precision(DeepSpeedPrecision):
         self.float32_matmul = True
         return "this CPU has no native bf16 dot products (bf16 matrix products would run 14-30x slower)"
 
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return Float32Matmul() if self.float32_matmul else nullcontext()
-
-    @override
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cpu_matmul={self.cpu_matmul!r})"
 
 
-__all__ = ["Float32Matmul", "PureBF16Precision", "cpu_has_native_bf16"]
+class PureBF16Precision(_CpuMatmulChoice, DeepSpeedPrecision):
+    """Casts the LightningModule and floating-point batch tensors to bf16; the DeepSpeed engine runs backward and step.
+
+    The Trainer's default precision (``"32-true"``) and ``"bf16-true"`` both mean pure bf16 under
+    ``DeepSpeedPureBF16Strategy``; every other flag is refused by the strategy with a message saying what to pass.
+
+    Args:
+        cpu_matmul: how matrix products are computed in a CPU fit (never on GPUs): ``"bf16"``, ``"float32"`` (from the
+            bf16 values, results rounded to bf16; see the module docstring), or ``"auto"``: float32 where the CPU has no
+            native bf16 dot products (default: ``"auto"``).
+    """
+
+    precision: Literal["bf16-true"] = "bf16-true"
+
+    def __init__(self, cpu_matmul: CpuMatmul = "auto") -> None:
+        super().__init__("bf16-true")
+        self._set_cpu_matmul(cpu_matmul)
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return Float32Matmul() if self.float32_matmul else nullcontext()
+
+
+class PureBF16FabricPrecision(_CpuMatmulChoice, FabricDeepSpeedPrecision):
+    """The Fabric twin of :class:`PureBF16Precision`: the module and floating inputs in bf16 under
+    ``Fabric(strategy="deepspeed_pure_bf16")``, which makes it from Fabric's default precision or ``"bf16-true"``.
+
+    Args:
+        cpu_matmul: as for :class:`PureBF16Precision` (default: ``"auto"``).
+    """
+
+    precision: Literal["bf16-true"] = "bf16-true"
+
+    def __init__(self, cpu_matmul: CpuMatmul = "auto") -> None:
+        super().__init__("bf16-true")
+        self._set_cpu_matmul(cpu_matmul)
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return Float32Matmul() if self.float32_matmul else super().forward_context()
+
+
+__all__ = ["Float32Matmul", "PureBF16FabricPrecision", "PureBF16Precision", "cpu_has_native_bf16"]

@@ -38,7 +38,7 @@ from lightning_pure_bf16.ops import quant
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 # The keys of DeepSpeed's model-state file that are DeepSpeed's own (what its engine strips from the client state).
-_DEEPSPEED_KEYS = (
+DEEPSPEED_KEYS = (
     "module",
     "buffer_names",
     "optimizer",
@@ -187,7 +187,7 @@ class ZeroCheckpoint:
 
     def client_state(self) -> dict[str, Any]:
         """What DeepSpeed's load returns to Lightning: the model-state file without DeepSpeed's own keys."""
-        return {k: v for k, v in self.model_state.items() if k not in _DEEPSPEED_KEYS}
+        return {k: v for k, v in self.model_state.items() if k not in DEEPSPEED_KEYS}
 
     def iter_params(self) -> Iterator[str]:
         for names in self.sub_groups:

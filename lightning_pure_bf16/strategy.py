@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,38 +22,25 @@ from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.imports import RequirementCache
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pure_bf16 import _internals
+from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
-from lightning_pure_bf16.checkpoint import TAG as CHECKPOINT_TAG
-from lightning_pure_bf16.checkpoint import CheckpointError, save_staged, tag_directory, validate_checkpoint
-from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
-from lightning_pure_bf16.memory import format_report, zero3_model_state_report
-from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
 from lightning_pure_bf16.optim.adamw import AdamW
 from lightning_pure_bf16.options import (
     STATE_DIR_ENV,
-    STATE_STORAGES,
     OptimizerOptions,
-    check_choice,
     check_zero3_arguments,
-    resolve_state_dir,
 )
 from lightning_pure_bf16.precision import PureBF16Precision
-from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint, live_layout, load_repartitioned
 
 _DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.8")
 # Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
-_ACCEPTED_PRECISION = ("32-true", "bf16-true")
-# DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
-_GPU_BUCKET = 200_000_000
-_CPU_BUCKET = 5_000_000
 
 
 class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
@@ -141,8 +126,8 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             accelerator=accelerator,
             stage=3,
             sub_group_size=sub_group_size,
-            reduce_bucket_size=reduce_bucket_size or _GPU_BUCKET,
-            allgather_bucket_size=allgather_bucket_size or _GPU_BUCKET,
+            reduce_bucket_size=reduce_bucket_size or core.GPU_BUCKET,
+            allgather_bucket_size=allgather_bucket_size or core.GPU_BUCKET,
             partition_activations=partition_activations,
             cpu_checkpointing=cpu_checkpointing,
             contiguous_memory_optimization=contiguous_memory_optimization,
@@ -156,33 +141,37 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             **({"timeout": timeout} if timeout is not None else {}),
             **kwargs,
         )
-        section, user_config = split_config_section(self._load_config(config), strategy_name=name)
-        if state_storage == "memory" and "state_storage" in section:
-            state_storage = section["state_storage"]
-        check_choice(who, "state_storage", state_storage, STATE_STORAGES)
-        self.state_storage = state_storage
-        self.state_dir = resolve_state_dir(
-            state_storage,
-            state_dir,
-            section.get("state_dir"),
+        self.settings = core.PureBF16Settings(
             who=who,
             strategy_name=name,
-            config_section=CONFIG_SECTION,
+            loaded_config=self._load_config(config),
+            state_storage=state_storage,
+            state_dir=state_dir,
+            rounding=rounding,
+            seed=seed,
+            backend=backend,
+            moments=moments,
+            compensation=compensation,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
         )
-        self.optimizer_options = OptimizerOptions(
-            rounding, seed, backend, state_storage, self.state_dir, moments, compensation
-        ).check(who)
-        self.config = pure_bf16_deepspeed_config(self.config, user_config, strategy_name=name)
-        user_zero = (user_config or {}).get("zero_optimization", {})
-        self._default_buckets = [
-            key
-            for key, arg in (
-                ("reduce_bucket_size", reduce_bucket_size),
-                ("allgather_bucket_size", allgather_bucket_size),
-            )
-            if arg is None and key not in user_zero
-        ]
-        self._skipped_seen = 0
+        self.config = self.settings.deepspeed_config(self.config)
+        self._skips = core.SkipCounter()
+
+    @property
+    def optimizer_options(self) -> OptimizerOptions:
+        """The checked options of the optimizer the strategy builds from a torch one."""
+        return self.settings.optimizer_options
+
+    @property
+    def state_storage(self) -> str:
+        """Where the optimizer's moments live: ``"memory"`` or ``"mmap"``."""
+        return self.settings.state_storage
+
+    @property
+    def state_dir(self) -> str | None:
+        """The directory of the state files (``state_storage="mmap"``)."""
+        return self.settings.state_dir
 
     @property
     def rounding(self) -> str:
@@ -203,27 +192,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        presets = {
-            "deepspeed_pure_bf16": ("DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding", {}),
-            "deepspeed_pure_bf16_kahan": (
-                "DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation",
-                {"rounding": "kahan"},
-            ),
-            "deepspeed_pure_bf16_int8": (
-                "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments, stochastic rounding (6 bytes/param)",
-                {"moments": "int8"},
-            ),
-            "deepspeed_pure_bf16_int8_kahan": (
-                "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments and an 8-bit Kahan remainder (7 bytes/param)",
-                {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
-            ),
-            "deepspeed_pure_bf16_mmap": (
-                "DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or"
-                f" ${STATE_DIR_ENV})",
-                {"state_storage": "mmap"},
-            ),
-        }
-        for name, (description, init_params) in presets.items():
+        for name, (description, init_params) in PRESETS.items():
             # override=True: importing the package twice (or reloading it) re-registers the same class harmlessly.
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
@@ -243,7 +212,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             return
         flag = getattr(precision_plugin, "precision", None)
         # Only the plugin the Trainer makes from a precision flag is translated; any other plugin is a user choice.
-        if flag not in _ACCEPTED_PRECISION or type(precision_plugin) not in (DeepSpeedPrecision, Precision):
+        if flag not in core.ACCEPTED_PRECISION or type(precision_plugin) not in (DeepSpeedPrecision, Precision):
             raise ValueError(
                 f"`Trainer(strategy='{self.strategy_name}', precision={flag!r})` is not supported: this strategy trains"
                 " in pure bf16. Leave `precision` unset or pass `precision='bf16-true'`."
@@ -259,36 +228,11 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 f" `{type(self.accelerator).__name__}` is used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
             )
         on_cpu = isinstance(self.accelerator, CPUAccelerator)
-        _internals.set_deepspeed_accelerator("cpu" if on_cpu else "cuda")
-        if on_cpu:
-            for key in self._default_buckets:
-                self.config["zero_optimization"][key] = _CPU_BUCKET
-        reason = self.precision_plugin.use_float32_matmul("cpu" if on_cpu else "cuda")
-        if reason is not None:
-            # ZeRO-3's memory-efficient linear is a custom autograd function whose backward products would stay bf16;
-            # plain F.linear records the float32 casts, so its backward runs in float32 too.
-            self.config["zero_optimization"]["memory_efficient_linear"] = False
-            rank_zero_info(
-                f"{self.strategy_name}: {reason}: matrix products are computed in float32 from the bf16 values"
-                " (storage, gradients and optimizer states stay bf16; `PureBF16Precision(cpu_matmul='bf16')` keeps"
-                " them in bf16)."
-            )
+        self.settings.configure_device(self.config, self.precision_plugin, on_cpu=on_cpu)
         # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
         DDPStrategy.setup_environment(self)
-        if on_cpu and self.backend in ("auto", "cpu"):
-            self._prepare_cpu_loop()
-
-    def _prepare_cpu_loop(self) -> None:
-        # The fused C++ loop is compiled once per machine (then loaded from torch's extension cache): local rank 0
-        # compiles while the other ranks wait here, instead of every rank stalling inside the first optimizer step.
-        rank_zero_info(
-            f"{self.strategy_name}: preparing the fused CPU optimizer loop (compiled once per machine, then cached;"
-            " `python -m lightning_pure_bf16.build` does it ahead of time)."
-        )
-        if self.local_rank == 0:
-            fused_cpu_available()
-        self.barrier("pure_bf16_cpu_loop")
-        fused_cpu_available()
+        if on_cpu:
+            self.settings.prepare_cpu_loop(self.local_rank, self.barrier)
 
     @override
     def setup_distributed(self) -> None:
@@ -305,19 +249,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[Any, Optimizer]:
-        import deepspeed
-
-        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        with _internals.alias_bf16_master_partitions():
-            engine, ds_optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=self._device_rank()),
-                config=self.config,
-                model=model,
-                model_parameters=model_parameters,
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-                dist_init_required=False,
-            )
+        engine, ds_optimizer, _ = core.initialize_engine(
+            self.config, model, optimizer, lr_scheduler, self._device_rank()
+        )
         return engine, ds_optimizer
 
     @override
@@ -345,8 +279,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
 
     def _device_rank(self) -> int:
         # DeepSpeed compares the device rank with 0; CPU devices have no index, so pass the local rank.
-        index = self.root_device.index
-        return index if index is not None else self.local_rank
+        return core.device_rank(self.root_device, self.local_rank)
 
     # ------------------------------------------------------------------------------------------ optimizer adoption
     @override
@@ -362,18 +295,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
-        init_zero3_optimizer_state(self.deepspeed_engine.optimizer)
-        report = self.memory_report()
-        rank_zero_info(f"{self.strategy_name}: model state per parameter on each rank: " + format_report(report))
-        optimizer = self.pure_bf16_optimizer
-        if optimizer.state_storage == "mmap":
-            used = report["state_files"] * report["params_on_rank"] / 1024**3
-            free = shutil.disk_usage(optimizer.state_dir).free / 1024**3
-            rank_zero_info(
-                f"{self.strategy_name}: optimizer states in memory-mapped files, {used:.2f} GiB in"
-                f" {optimizer.state_dir} on rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory"
-                " there."
-            )
+        core.after_engine_setup(self.deepspeed_engine, self.strategy_name)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
@@ -387,23 +309,15 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by `{type(self).__name__}`:"
                 " DeepSpeed writes the checkpoint itself."
             )
-        filepath = self.broadcast(os.fspath(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-
-        def write(staged: Path) -> None:
-            self.deepspeed_engine.save_checkpoint(
-                os.fspath(staged),
-                client_state=client_state,
-                tag=CHECKPOINT_TAG,
-                exclude_frozen_parameters=self.exclude_frozen_parameters,
-            )
-
-        save_staged(
-            filepath,
-            write,
+        core.save_checkpoint(
+            self.deepspeed_engine,
+            self.broadcast(os.fspath(filepath)),
+            client_state,
             world_size=self.world_size,
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
             global_step=checkpoint.get("global_step"),
         )
 
@@ -419,56 +333,17 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         from lightning.pytorch.trainer.states import TrainerFn
 
-        directory, manifest = validate_checkpoint(checkpoint_path, accept_fp32_masters=True)
-        is_fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        try:
-            saved = ZeroCheckpoint(tag_directory(directory, manifest))
-            same_layout = (
-                manifest is not None
-                and saved.world_size == self.world_size
-                and saved.layout() == live_layout(self.deepspeed_engine.optimizer)
-            )
-            if not same_layout:
-                return self._load_repartitioned(saved, checkpoint_path, is_fitting)
-        except RepartitionError as err:
-            raise CheckpointError(str(err)) from err
-        _, client_state = self.deepspeed_engine.load_checkpoint(
-            os.fspath(directory),
-            tag=CHECKPOINT_TAG,
-            load_optimizer_states=is_fitting,
-            load_lr_scheduler_states=False,
-            load_module_strict=self.lightning_module.strict_loading,
-        )
-        if client_state is None:
-            raise CheckpointError(f"DeepSpeed could not load the checkpoint '{checkpoint_path}'.")
-        self._skipped_seen = _internals.engine_skipped_steps(self.deepspeed_engine)
-        return client_state
-
-    def _load_repartitioned(self, saved: ZeroCheckpoint, checkpoint_path: Any, is_fitting: bool) -> dict[str, Any]:
-        engine = self.deepspeed_engine
-        loaded = load_repartitioned(
-            saved,
-            engine.optimizer,
-            rank=self.global_rank,
+        client_state, repartitioned = core.load_checkpoint(
+            self.deepspeed_engine,
+            checkpoint_path,
             world_size=self.world_size,
-            load_optimizer_states=is_fitting,
+            rank=self.global_rank,
+            load_optimizer_states=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
+            strict=self.lightning_module.strict_loading,
+            strategy_name=self.strategy_name,
         )
-        state = saved.model_state
-        _internals.set_engine_counters(
-            engine,
-            global_steps=int(state.get("global_steps", 0)),
-            global_samples=int(state.get("global_samples", 0)),
-            skipped_steps=int(state.get("skipped_steps", 0)),
-        )
-        self._skipped_seen = _internals.engine_skipped_steps(engine)
-        source = "DeepSpeed bf16-mixed (fp32 masters)" if saved.master_dtype == torch.float32 else "pure bf16"
-        rank_zero_info(
-            f"{self.strategy_name}: re-partitioned the {source} checkpoint '{checkpoint_path}' written by"
-            f" {saved.world_size} rank(s) in {len(saved.sub_groups)} sub-group(s) to {self.world_size} rank(s) in"
-            f" {len(live_layout(engine.optimizer))}: {loaded}."
-        )
-        client_state = saved.client_state()
-        if "pytorch-lightning_version" not in client_state:
+        self._skips.sync(self.deepspeed_engine)
+        if repartitioned is not None and "pytorch-lightning_version" not in client_state:
             import lightning
 
             # Written by DeepSpeed alone: nothing of Lightning's to restore.
@@ -483,27 +358,20 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        skipped = _internals.engine_skipped_steps(self.deepspeed_engine)
-        if skipped > self._skipped_seen:
-            base = self.pure_bf16_optimizer
-            for _ in range(skipped - self._skipped_seen):
-                base.record_skipped_step()
-            self._skipped_seen = skipped
-            rank_zero_warn(
-                f"{self.strategy_name}: a gradient was inf/NaN, the step was skipped on every rank"
-                f" ({base.skipped_steps} skipped so far)."
-            )
+        if self._skips.update(self.deepspeed_engine, self.strategy_name):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             if trainer is not None:
+                optimizer = self.pure_bf16_optimizer
+                skipped = float(optimizer.skipped_steps)
                 for logger in trainer.loggers:
-                    logger.log_metrics({"pure_bf16/skipped_steps": float(base.skipped_steps)}, step=trainer.global_step)
+                    logger.log_metrics({"pure_bf16/skipped_steps": skipped}, step=trainer.global_step)
         return output
 
     # ------------------------------------------------------------------------------------------------ inspection
     @property
     def pure_bf16_optimizer(self) -> AdamW:
         """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
-        return _internals.zero3_inner_optimizer(self.deepspeed_engine.optimizer)
+        return core.inner_optimizer(self.deepspeed_engine)
 
     def memory_report(self) -> dict[str, float]:
         """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers.
@@ -513,19 +381,25 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``other_state`` and ``total`` in bytes per parameter of this
             rank's partition, and ``params_on_rank``.
         """
-        return zero3_model_state_report(self.deepspeed_engine.optimizer)
+        return core.memory_report(self.deepspeed_engine)
 
 
-def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
-    """Allocate the pure-bf16 optimizer's state for every ZeRO-3 sub-group now, in sub-group order.
+# The registered names, for the Trainer and for Fabric: (description, the strategy arguments they set).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepspeed_pure_bf16": ("DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding", {}),
+    "deepspeed_pure_bf16_kahan": ("DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation", {"rounding": "kahan"}),
+    "deepspeed_pure_bf16_int8": (
+        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments, stochastic rounding (6 bytes/param)",
+        {"moments": "int8"},
+    ),
+    "deepspeed_pure_bf16_int8_kahan": (
+        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments and an 8-bit Kahan remainder (7 bytes/param)",
+        {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
+    ),
+    "deepspeed_pure_bf16_mmap": (
+        f"DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or ${STATE_DIR_ENV})",
+        {"state_storage": "mmap"},
+    ),
+}
 
-    That is the order of the first step, so nothing changes but the time of allocation: the memory report at setup
-    is the steady state, and a shortage of memory shows at setup instead of at the first step.
-    """
-    optimizer = _internals.zero3_inner_optimizer(zero_optimizer)
-    optimizer.init_states(
-        (flat, optimizer.param_groups[group]) for flat, group in _internals.zero3_sub_groups(zero_optimizer)
-    )
-
-
-__all__ = ["STATE_DIR_ENV", "DeepSpeedPureBF16Strategy", "init_zero3_optimizer_state"]
+__all__ = ["PRESETS", "STATE_DIR_ENV", "DeepSpeedPureBF16Strategy"]

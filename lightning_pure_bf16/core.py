@@ -1,0 +1,313 @@
+"""What the two front ends (the Trainer strategy and the Fabric strategy) do the same way, written once.
+
+Each front end is a thin layer over Lightning's own DeepSpeed strategy of its API; everything about pure bf16 lives
+here or below: the options and the DeepSpeed config, device settings (CPU buckets, float32 products on CPUs without
+bf16), DeepSpeed initialization with the master aliasing, the state allocation and memory report at setup, the
+checkpoint save and load (staged and durable; native or re-partitioned), and skipped-step accounting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_pure_bf16 import _internals
+from lightning_pure_bf16.checkpoint import TAG, CheckpointError, save_staged, tag_directory, validate_checkpoint
+from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
+from lightning_pure_bf16.memory import format_report, zero3_model_state_report
+from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
+from lightning_pure_bf16.optim.adamw import AdamW
+from lightning_pure_bf16.options import STATE_STORAGES, OptimizerOptions, check_choice, resolve_state_dir
+from lightning_pure_bf16.repartition import (
+    DEEPSPEED_KEYS,
+    RepartitionError,
+    ZeroCheckpoint,
+    live_layout,
+    load_repartitioned,
+)
+
+# The precision flags both front ends accept (their defaults, and the explicit one); all mean pure bf16.
+ACCEPTED_PRECISION = ("32-true", "bf16-true")
+# DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
+GPU_BUCKET = 200_000_000
+CPU_BUCKET = 5_000_000
+
+
+class PureBF16Settings:
+    """The options of a front end, resolved and checked once, and the DeepSpeed config built from them.
+
+    Args:
+        who: the front end's class name, for messages.
+        strategy_name: its registered name, for messages.
+        loaded_config: the user's DeepSpeed config as loaded by Lightning (``None``: none given).
+        state_storage, state_dir, rounding, seed, backend, moments, compensation: the strategy's arguments.
+        reduce_bucket_size, allgather_bucket_size: the strategy's arguments (``None``: the device's default).
+    """
+
+    def __init__(
+        self,
+        *,
+        who: str,
+        strategy_name: str,
+        loaded_config: dict[str, Any] | None,
+        state_storage: str,
+        state_dir: str | os.PathLike | None,
+        rounding: str,
+        seed: int | None,
+        backend: str,
+        moments: str,
+        compensation: str,
+        reduce_bucket_size: int | None,
+        allgather_bucket_size: int | None,
+    ) -> None:
+        self.strategy_name = strategy_name
+        section, self.user_config = split_config_section(loaded_config, strategy_name=strategy_name)
+        if state_storage == "memory" and "state_storage" in section:
+            state_storage = section["state_storage"]
+        check_choice(who, "state_storage", state_storage, STATE_STORAGES)
+        self.state_storage = state_storage
+        self.state_dir = resolve_state_dir(
+            state_storage,
+            state_dir,
+            section.get("state_dir"),
+            who=who,
+            strategy_name=strategy_name,
+            config_section=CONFIG_SECTION,
+        )
+        self.optimizer_options = OptimizerOptions(
+            rounding, seed, backend, state_storage, self.state_dir, moments, compensation
+        ).check(who)
+        user_zero = (self.user_config or {}).get("zero_optimization", {})
+        # The buckets the user left to the default: set per device once it is known.
+        self.default_buckets = [
+            key
+            for key, arg in (
+                ("reduce_bucket_size", reduce_bucket_size),
+                ("allgather_bucket_size", allgather_bucket_size),
+            )
+            if arg is None and key not in user_zero
+        ]
+
+    def deepspeed_config(self, base: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's config from the strategy's arguments, with the user's merged over it and pure bf16 enforced."""
+        return pure_bf16_deepspeed_config(base, self.user_config, strategy_name=self.strategy_name)
+
+    def configure_device(self, config: dict[str, Any], precision: Any, *, on_cpu: bool) -> None:
+        """Point DeepSpeed at the device, set the CPU's buckets, and decide float32 products on CPUs without bf16."""
+        _internals.set_deepspeed_accelerator("cpu" if on_cpu else "cuda")
+        if on_cpu:
+            for key in self.default_buckets:
+                config["zero_optimization"][key] = CPU_BUCKET
+        reason = precision.use_float32_matmul("cpu" if on_cpu else "cuda")
+        if reason is not None:
+            # ZeRO-3's memory-efficient linear is a custom autograd function whose backward products would stay bf16;
+            # plain F.linear records the float32 casts, so its backward runs in float32 too.
+            config["zero_optimization"]["memory_efficient_linear"] = False
+            rank_zero_info(
+                f"{self.strategy_name}: {reason}: matrix products are computed in float32 from the bf16 values"
+                " (storage, gradients and optimizer states stay bf16; `cpu_matmul='bf16'` on the precision plugin"
+                " keeps them in bf16)."
+            )
+
+    def prepare_cpu_loop(self, local_rank: int, barrier: Callable[[str], None]) -> None:
+        """Compile (or load) the fused C++ loop now: local rank 0 builds it while the others wait, instead of every
+        rank stalling inside the first optimizer step."""
+        if self.optimizer_options.backend not in ("auto", "cpu"):
+            return
+        rank_zero_info(
+            f"{self.strategy_name}: preparing the fused CPU optimizer loop (compiled once per machine, then cached;"
+            " `python -m lightning_pure_bf16.build` does it ahead of time)."
+        )
+        if local_rank == 0:
+            fused_cpu_available()
+        barrier("pure_bf16_cpu_loop")
+        fused_cpu_available()
+
+
+def device_rank(root_device: torch.device, local_rank: int) -> int:
+    """The device rank DeepSpeed wants: the device index, or the local rank for CPU devices (which have none)."""
+    return root_device.index if root_device.index is not None else local_rank
+
+
+def initialize_engine(
+    config: dict[str, Any], model: torch.nn.Module, optimizer: Any, lr_scheduler: Any, rank: int
+) -> tuple[Any, Any, Any]:
+    """``deepspeed.initialize`` with ZeRO-3's master partitions aliased to the bf16 parameter partitions."""
+    import deepspeed
+
+    model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+    with _internals.alias_bf16_master_partitions():
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=rank),
+            config=config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+    return engine, ds_optimizer, ds_scheduler
+
+
+def inner_optimizer(engine: Any) -> AdamW:
+    """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
+    return _internals.zero3_inner_optimizer(engine.optimizer)
+
+
+def memory_report(engine: Any) -> dict[str, float]:
+    """Model-state bytes per parameter on this rank, by category, from the live ZeRO-3 buffers
+    (:func:`lightning_pure_bf16.memory.zero3_model_state_report`)."""
+    return zero3_model_state_report(engine.optimizer)
+
+
+def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
+    """Allocate the pure-bf16 optimizer's state for every ZeRO-3 sub-group now, in sub-group order.
+
+    That is the order of the first step, so nothing changes but the time of allocation: the memory report at setup
+    is the steady state, and a shortage of memory shows at setup instead of at the first step.
+    """
+    optimizer = _internals.zero3_inner_optimizer(zero_optimizer)
+    optimizer.init_states(
+        (flat, optimizer.param_groups[group]) for flat, group in _internals.zero3_sub_groups(zero_optimizer)
+    )
+
+
+def after_engine_setup(engine: Any, strategy_name: str) -> None:
+    """Allocate every sub-group's optimizer state now (a shortage shows at setup) and log the memory per parameter."""
+    init_zero3_optimizer_state(engine.optimizer)
+    optimizer = inner_optimizer(engine)
+    report = memory_report(engine)
+    rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))
+    if optimizer.state_storage == "mmap":
+        used = report["state_files"] * report["params_on_rank"] / 1024**3
+        free = shutil.disk_usage(optimizer.state_dir).free / 1024**3
+        rank_zero_info(
+            f"{strategy_name}: optimizer states in memory-mapped files, {used:.2f} GiB in {optimizer.state_dir} on"
+            f" rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory there."
+        )
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(
+    engine: Any,
+    filepath: str | os.PathLike,
+    client_state: dict[str, Any],
+    *,
+    world_size: int,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+    exclude_frozen_parameters: bool,
+    **info: Any,
+) -> None:
+    """DeepSpeed's sharded checkpoint, staged, fsynced and moved into place (every rank; ``filepath`` the same)."""
+
+    def write(staged: Path) -> None:
+        engine.save_checkpoint(
+            os.fspath(staged), client_state=client_state, tag=TAG, exclude_frozen_parameters=exclude_frozen_parameters
+        )
+
+    save_staged(filepath, write, world_size=world_size, is_global_zero=is_global_zero, barrier=barrier, **info)
+
+
+def load_checkpoint(
+    engine: Any,
+    checkpoint_path: str | os.PathLike,
+    *,
+    world_size: int,
+    rank: int,
+    load_optimizer_states: bool,
+    strict: bool,
+    strategy_name: str,
+) -> tuple[dict[str, Any], ZeroCheckpoint | None]:
+    """Check, then load a checkpoint into a live engine; returns the client state and, when the checkpoint had to be
+    re-partitioned (another world size or sub-group layout, or DeepSpeed bf16-mixed), its reader.
+
+    Raises:
+        CheckpointError: naming the file and what to do, before anything is loaded.
+    """
+    directory, manifest = validate_checkpoint(checkpoint_path, accept_fp32_masters=True)
+    try:
+        saved = ZeroCheckpoint(tag_directory(directory, manifest))
+        same_layout = (
+            manifest is not None and saved.world_size == world_size and saved.layout() == live_layout(engine.optimizer)
+        )
+        if not same_layout:
+            loaded = load_repartitioned(
+                saved, engine.optimizer, rank=rank, world_size=world_size, load_optimizer_states=load_optimizer_states
+            )
+    except RepartitionError as err:
+        raise CheckpointError(str(err)) from err
+    if same_layout:
+        _, client_state = engine.load_checkpoint(
+            os.fspath(directory),
+            tag=TAG,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=False,
+            load_module_strict=strict,
+        )
+        if client_state is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint '{checkpoint_path}'.")
+        return {k: v for k, v in client_state.items() if k not in DEEPSPEED_KEYS}, None
+    state = saved.model_state
+    _internals.set_engine_counters(
+        engine,
+        global_steps=int(state.get("global_steps", 0)),
+        global_samples=int(state.get("global_samples", 0)),
+        skipped_steps=int(state.get("skipped_steps", 0)),
+    )
+    source = "DeepSpeed bf16-mixed (fp32 masters)" if saved.master_dtype == torch.float32 else "pure bf16"
+    rank_zero_info(
+        f"{strategy_name}: re-partitioned the {source} checkpoint '{checkpoint_path}' written by {saved.world_size}"
+        f" rank(s) in {len(saved.sub_groups)} sub-group(s) to {world_size} rank(s) in"
+        f" {len(live_layout(engine.optimizer))}: {loaded}."
+    )
+    return saved.client_state(), saved
+
+
+# ------------------------------------------------------------------------------------------------- skipped steps
+class SkipCounter:
+    """Follows the engine's count of steps ZeRO-3 skipped on inf/NaN and records each in the pure-bf16 optimizer."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def sync(self, engine: Any) -> None:
+        """Take the engine's count as seen (after a checkpoint is loaded)."""
+        self.seen = _internals.engine_skipped_steps(engine)
+
+    def update(self, engine: Any, strategy_name: str) -> int:
+        """After a step: record and warn about newly skipped steps; returns how many there were."""
+        skipped = _internals.engine_skipped_steps(engine)
+        new = skipped - self.seen
+        if new > 0:
+            optimizer = inner_optimizer(engine)
+            for _ in range(new):
+                optimizer.record_skipped_step()
+            self.seen = skipped
+            rank_zero_warn(
+                f"{strategy_name}: a gradient was inf/NaN, the step was skipped on every rank"
+                f" ({optimizer.skipped_steps} skipped so far)."
+            )
+        return max(new, 0)
+
+
+__all__ = [
+    "ACCEPTED_PRECISION",
+    "PureBF16Settings",
+    "SkipCounter",
+    "after_engine_setup",
+    "device_rank",
+    "init_zero3_optimizer_state",
+    "initialize_engine",
+    "inner_optimizer",
+    "load_checkpoint",
+    "memory_report",
+    "save_checkpoint",
+]

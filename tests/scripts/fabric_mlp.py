@@ -1,0 +1,157 @@
+"""Trains a small MLP in a plain Fabric loop with the pure-bf16 strategy and writes what the tests check to
+OUT/rank{R}.pt. Fabric's launcher starts the other ranks by re-running it:
+
+    python tests/scripts/fabric_mlp.py OUT '{"devices": 2, "steps": 6}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_pure_bf16
+from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def data(n: int = 256) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :1] * 0.5 + torch.sin(x[:, 1:2])).float()
+    return TensorDataset(x, y)
+
+
+def record_clipping() -> list:
+    """The norm ZeRO-3 clips to, at each sub-group update of every step."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    seen = []
+    original = DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads
+
+    def recorded(self, sub_group_id, total_norm):
+        seen.append((float(self.clip_grad), float(total_norm)))
+        return original(self, sub_group_id, total_norm)
+
+    DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads = recorded
+    return seen
+
+
+def main(out: Path, opts: dict) -> None:
+    clip_seen = record_clipping()
+    strategy = opts.get("strategy", "deepspeed_pure_bf16")
+    if opts.get("exact"):
+        # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every
+        # buffer the ZeRO-3 optimizer holds scales with the partition.
+        exact = {
+            "config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+            "reduce_bucket_size": 10_000,
+        }
+        strategy = {**exact, **(strategy if isinstance(strategy, dict) else {})}
+    if isinstance(strategy, dict):
+        strategy = lightning_pure_bf16.DeepSpeedPureBF16FabricStrategy(**strategy)
+    fabric = Fabric(
+        accelerator="cpu", devices=opts.get("devices", 2), strategy=strategy, precision=opts.get("precision")
+    )
+    fabric.launch()
+    fabric.seed_everything(1234)
+    model = MLP()
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
+    ]
+    kind = opts.get("optimizer", "adamw")
+    optimizer = torch.optim.AdamW(groups, lr=1e-2) if kind == "adamw" else torch.optim.SGD(groups, lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    scheduler = None
+    if opts.get("scheduler"):
+        # Built on the optimizer fabric.setup returned, as with any torch optimizer.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    accumulate = opts.get("accumulate", 1)
+    loader = fabric.setup_dataloaders(DataLoader(data(), batch_size=16 // accumulate, shuffle=False))
+    batches = list(loader)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if scheduler is not None:
+        state["scheduler"] = scheduler
+    if opts.get("resume"):
+        remainder = fabric.load(opts["resume"], state)
+        assert not remainder, remainder
+    losses, lrs, norms = [], [], []
+    for step in range(state["step"], opts.get("steps", 6)):
+        for micro in range(accumulate):
+            x, y = batches[(step * accumulate + micro) % len(batches)]
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = nn.functional.mse_loss(model(x).float(), y.float())
+                if fabric.global_rank == opts.get("nan_rank") and step == opts.get("nan_step", 2):
+                    loss = loss * float("nan")
+                fabric.backward(loss / accumulate)
+            losses.append(loss.item())
+        if opts.get("clip"):
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=opts["clip"])))
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        state["step"] = step + 1
+        if opts.get("save_at") == step + 1:
+            fabric.save(opts["save_path"], state)
+    strat = fabric.strategy
+    engine = strat.model
+    zero = engine.optimizer
+    real_masks = []
+    for group in zero.fp16_groups:
+        parts = []
+        for param in group:
+            pn = param.partition_numel()
+            parts.append(torch.arange(pn) < max(0, min(pn, param.ds_numel - fabric.global_rank * pn)))
+        real_masks.append(torch.cat(parts))
+    inner = strat.pure_bf16_optimizer
+    result = {
+        "optimizer_class": type(optimizer.optimizer).__name__,
+        "returned_is_inner": optimizer.optimizer is inner,
+        "precision": type(strat.precision).__name__,
+        "flat_params": [t.detach().clone() for t in zero.fp16_partitioned_groups_flat],
+        "real_masks": real_masks,
+        "state": {
+            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for i, st in enumerate(inner.state.values())
+        },
+        "rounding": [g["rounding"] for g in inner.param_groups],
+        "group_wd": [g["weight_decay"] for g in inner.param_groups],
+        "seed": inner.seed,
+        "skipped_steps": strat.skipped_steps,
+        "memory_report": strat.memory_report(),
+        "zero_buffers": [
+            (name, t.dtype, t.untyped_storage().nbytes(), is_file_backed(t))
+            for name, t in reachable_tensors(zero, "zero")
+        ],
+        "losses": losses,
+        "lrs": lrs,
+        "norms": norms,
+        "clip_seen": clip_seen,
+        "engine_global_steps": engine.global_steps,
+        "ds_global_norm": float(engine.get_global_grad_norm() or 0.0),
+        "step": state["step"],
+    }
+    torch.save(result, out / f"rank{fabric.global_rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
