@@ -2,9 +2,11 @@
 # reachable, the device record, and `step NAME LIMIT_S COMMAND...`, which runs each step under its own time limit and
 # prints its time; `finish` prints the total and exits with 1 if any step failed.
 #
-# Where the machine lacks deepspeed and cannot reach a package registry, build the wheels on a machine that can, from
-# the project root: `../shared/gpu/wheels.sh .whl` where that script exists, or
+# Where the machine lacks deepspeed (or torchdata, for the GPT example's data) and cannot reach a package registry,
+# build the wheels on a machine that can, from the project root: `../shared/gpu/wheels.sh .whl` where that script
+# exists (then add torchdata: `python3 -m pip download -q --no-deps -d .whl torchdata==0.11.0`), or
 #   python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8
+#   python3 -m pip download -q --no-deps -d .whl torchdata==0.11.0
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions psutil einops \
 #       msgpack ninja py-cpuinfo
@@ -15,12 +17,12 @@ RESULTS="${OUT:+$OUT/gpu}"
 RESULTS="${RESULTS:-benchmarks/results/gpu}"
 mkdir -p "$RESULTS"
 
-if ! python3 -c "import deepspeed" 2>/dev/null; then
+if ! python3 -c "import deepspeed, torchdata" 2>/dev/null; then
     if compgen -G ".whl/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
         export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
     else
-        echo "deepspeed is not installed and there is no .whl/ folder; see the comment at the top of $0" >&2
+        echo "deepspeed or torchdata is not installed and there is no .whl/ folder; see the comment at the top of $0" >&2
         exit 1
     fi
 fi

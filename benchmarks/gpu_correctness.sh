@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The correctness half of a GPU run (under 4 minutes on one CUDA GPU): the GPU-marked tests only (the Triton kernel on
-# CUDA against the PyTorch path, the strategy on one GPU with in-memory and file-backed states). Nothing here builds
-# the C++ CPU loop. Run it before benchmarks/gpu_performance.sh; results and logs in $OUT/gpu (or benchmarks/results/gpu).
+# The correctness half of a GPU run (under 5 minutes on one CUDA GPU): the GPU-marked tests only (the Triton kernel on
+# CUDA against the PyTorch path, the Trainer and Fabric strategies on one GPU, with in-memory and file-backed states).
+# Nothing here builds the C++ CPU loop. Run it before benchmarks/gpu_performance.sh; results and logs in $OUT/gpu (or
+# benchmarks/results/gpu).
 source "$(dirname "$0")/_gpu_common.sh"
-step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernel.py tests/test_int8_states.py tests/test_gpu.py
+step gpu_tests 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernel.py tests/test_int8_states.py tests/test_gpu.py
 finish

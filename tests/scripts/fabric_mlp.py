@@ -64,7 +64,10 @@ def main(out: Path, opts: dict) -> None:
     if isinstance(strategy, dict):
         strategy = lightning_pure_bf16.DeepSpeedPureBF16FabricStrategy(**strategy)
     fabric = Fabric(
-        accelerator="cpu", devices=opts.get("devices", 2), strategy=strategy, precision=opts.get("precision")
+        accelerator=opts.get("accelerator", "cpu"),
+        devices=opts.get("devices", 2),
+        strategy=strategy,
+        precision=opts.get("precision"),
     )
     fabric.launch()
     fabric.seed_everything(1234)
