@@ -295,3 +295,40 @@ def test_missing_rank_files_are_named(source, tmp_path):
         ZeroCheckpoint(target)
     with pytest.raises(RepartitionError, match="not a DeepSpeed ZeRO-3 checkpoint"):
         ZeroCheckpoint(tmp_path)
+
+
+def test_a_save_fsyncs_every_file_and_directory_before_the_manifest_and_the_parent_after(tmp_path, monkeypatch):
+    import os
+
+    from lightning_pure_bf16 import checkpoint
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "ck"
+
+    def write(staged):
+        (staged / "tag").mkdir(parents=True)
+        for name in ("a.pt", "b.pt"):
+            (staged / "tag" / name).write_bytes(b"x" * 10)
+
+    checkpoint.save_staged(target, write, world_size=1, is_global_zero=True, barrier=lambda _: None)
+    staged = str(checkpoint.staging_path(target))
+    fsynced = [e[1] for e in events if e[0] == "fsync"]
+    manifest_in_place = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2].endswith(MANIFEST))
+    before = {e[1] for e in events[:manifest_in_place] if e[0] == "fsync"}
+    assert {f"{staged}/tag/a.pt", f"{staged}/tag/b.pt", f"{staged}/tag", staged} <= before
+    assert f"{staged}/{MANIFEST}.part" in before  # the manifest's own data
+    commit = next(i for i, e in enumerate(events) if e[0] == "replace" and e[1] == staged)
+    assert events[commit + 1] == ("fsync", str(tmp_path))  # the rename is durable before the save returns
+    assert fsynced and (target / MANIFEST).is_file()
