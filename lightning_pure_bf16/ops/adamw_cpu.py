@@ -453,14 +453,18 @@ def fused_cpu_available() -> bool:
             from torch.utils.cpp_extension import load_inline
 
             # Vector instructions of the CPU torch itself dispatches to; part of the name, so each build is cached
-            # apart. No fused multiply-add contraction: every product is rounded, as in the PyTorch path.
+            # apart. No fused multiply-add contraction: every product is rounded, as in the PyTorch path. The random
+            # bits belong to each element's index, so any split over threads writes the same bytes.
             capability = torch.backends.cpu.get_cpu_capability()
             arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
             _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v16_{capability.lower()}",
+                name=f"lightning_pure_bf16_adamw_cpu_v17_{capability.lower()}",
                 cpp_sources=[_source()],
                 functions=["adamw_update_bf16", "adamw_update_q8", "any_nonfinite_bf16"],
-                extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *arch],
+                # OpenMP, as torch itself is built: at::parallel_for then splits the loop over torch's threads (without
+                # it, ATen's inline parallel_for runs serially in an extension).
+                extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", *arch],
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
         except Exception as err:  # noqa: BLE001 - any build failure means: use the PyTorch path
