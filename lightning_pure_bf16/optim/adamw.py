@@ -527,9 +527,7 @@ class AdamW(Optimizer):
         def call(param_chunk, grad_chunk, m, v, c, step_args, scales, index_offset):  # noqa: ANN001, ANN202
             update(param_chunk, grad_chunk, m, v, c, step_args, index_offset=index_offset, **scales)
 
-        assert self._store is not None
-        regions = self._store.regions(state["stream"], states)
-        streamer.update(call, p_flat, g_flat, states, forward, regions)
+        streamer.update(call, p_flat, g_flat, states, forward)
         if not p.is_contiguous():
             p.copy_(p_flat.view(p.shape))
 

@@ -3,17 +3,14 @@
 With ``state_storage="mmap"`` the moments (and the Kahan buffer) of each parameter tensor live in one file under the
 user's state directory, mapped into the process with ``torch.from_file``. The device holds only the parameter and its
 gradient; each step streams the states through two chunk-sized staging slots: while the update kernel works on one
-chunk, a reader thread reads the next chunk with one positional ``preadv`` per buffer (the disk read, in large
-requests, without the page faults a copy through the mapping takes) and a writer thread writes the previous result
-back with ``pwritev`` (through the page cache the mapping shares, so ``state_dict`` reads the same bytes). On CUDA
-the slots are pinned and the host-to-device and device-to-host copies run on their own stream. The kernel gets each
-chunk's index in the whole tensor, so the random bits, and therefore the results, are those of the in-memory
-optimizer, bit for bit.
+chunk, a reader thread copies the next chunk out of the mapping (the disk read) and a writer thread copies the
+previous result back (the disk write goes through the page cache). On CUDA the slots are pinned and the
+host-to-device and device-to-host copies run on their own stream. The kernel gets each chunk's index in the whole
+tensor, so the random bits, and therefore the results, are those of the in-memory optimizer, bit for bit.
 
 Files are created at full size with ``posix_fallocate`` after checking the free space, so a full disk is an error at
-allocation rather than a crash at a later write; before every step each file's size and identity are checked, and a
-short read is an error too, so a truncated or replaced file is an error rather than a ``SIGBUS`` or silently wrong
-moments.
+allocation rather than a crash at a later write; before every step each file's size and identity are checked, so a
+truncated or replaced file is an error rather than a ``SIGBUS`` or silently wrong moments.
 """
 
 from __future__ import annotations
@@ -98,17 +95,6 @@ class _StateFile:
     nbytes: int
     inode: int
     buffers: list[torch.Tensor]  # flat views of the mapping, one per state buffer
-    fd: int = -1  # open for the streamed update's positional reads and writes
-    base: int = 0  # address of the mapping's first byte
-
-
-@dataclass(frozen=True)
-class FileRegion:
-    """Where a state buffer lies in its file: positional I/O reaches the same bytes as the mapping (one page cache)."""
-
-    fd: int
-    offset: int  # bytes from the start of the file to the buffer's first element
-    path: Path
 
 
 def _layout(specs: Sequence[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
@@ -201,30 +187,16 @@ class MmapStateStore:
                 f"`{self.who}`: cannot reserve {_size(nbytes)} for the state file '{path}': {reason}. Free space or"
                 " pass another `state_dir`.",
             ) from err
-        try:
-            raw = (
-                torch.from_file(os.fspath(path), shared=True, size=nbytes, dtype=torch.uint8)
-                if nbytes
-                else torch.zeros(0, dtype=torch.uint8)
-            )
-        except BaseException:
-            os.close(fd)
-            raise
+        os.close(fd)
+        raw = (
+            torch.from_file(os.fspath(path), shared=True, size=nbytes, dtype=torch.uint8)
+            if nbytes
+            else torch.zeros(0, dtype=torch.uint8)
+        )
         buffers = [
             raw[offset : offset + numel * dtype.itemsize].view(dtype) for offset, (numel, dtype) in zip(offsets, specs)
         ]
-        return _StateFile(path, nbytes, inode, buffers, fd=fd, base=raw.data_ptr())
-
-    def regions(self, stream: int, buffers: Sequence[torch.Tensor]) -> list[FileRegion]:
-        """The file regions of ``buffers`` (flat views of the mapping of ``stream``'s file)."""
-        f = self.files[stream]
-        out = []
-        for t in buffers:
-            offset = t.data_ptr() - f.base
-            if not 0 <= offset <= f.nbytes - t.numel() * t.element_size():
-                raise ValueError(f"a state buffer is not in the mapping of '{f.path}'")
-            out.append(FileRegion(f.fd, offset, f.path))
-        return out
+        return _StateFile(path, nbytes, inode, buffers)
 
     def verify(self, stream: int) -> None:
         """Check that the file of ``stream`` still has its size and identity (one ``stat``).
@@ -272,9 +244,6 @@ class MmapStateStore:
     def _remove(f: _StateFile) -> None:
         f.path.unlink(missing_ok=True)
         f.buffers = []
-        if f.fd >= 0:
-            os.close(f.fd)
-            f.fd = -1
 
 
 def _size(nbytes: int) -> str:
@@ -333,7 +302,6 @@ class StateStreamer:
         grad: torch.Tensor,
         states: Sequence[torch.Tensor],
         forward: Callable[[list[torch.Tensor]], tuple[Any, ...]],
-        regions: Sequence[FileRegion] | None = None,
     ) -> None:
         """Run ``update`` over ``param`` chunk by chunk with the matching chunks of the file-backed ``states``.
 
@@ -344,9 +312,6 @@ class StateStreamer:
             states: flat file-backed CPU buffers, one element per ``divisor`` parameter elements each.
             forward: maps the device-side state chunks to the kernel's state arguments (inserts ``None`` for an
                 absent Kahan buffer).
-            regions: the file regions of ``states``: chunks are then read and written with large positional
-                ``preadv``/``pwritev`` calls (one system call per chunk and buffer, no page faults); without them,
-                by copies through the mapping.
         """
         n = param.numel()
         starts = list(range(0, n, self.chunk))
@@ -361,20 +326,14 @@ class StateStreamer:
             return [(s // d, -(-e // d)) for d in self.divisors]
 
         def load(i: int, slot: int) -> None:
-            for k, (buf, src, (s, e)) in enumerate(zip(self.host[slot], states, spans(i))):
-                if regions is None:
-                    buf[: e - s].copy_(src[s:e])  # reads the file (page faults) outside the GIL
-                else:
-                    _pread(regions[k], buf[: e - s], s)
+            for buf, src, (s, e) in zip(self.host[slot], states, spans(i)):
+                buf[: e - s].copy_(src[s:e])  # reads the file (page faults) outside the GIL
 
         def store(i: int, slot: int, done: torch.cuda.Event | None) -> None:
             if done is not None:
                 done.synchronize()
-            for k, (dst, buf, (s, e)) in enumerate(zip(states, self.host[slot], spans(i))):
-                if regions is None:
-                    dst[s:e].copy_(buf[: e - s])
-                else:
-                    _pwrite(regions[k], buf[: e - s], s)
+            for dst, buf, (s, e) in zip(states, self.host[slot], spans(i)):
+                dst[s:e].copy_(buf[: e - s])
 
         reads: dict[int, Future] = {0: self.reader.submit(load, 0, 0)}
         writes: dict[int, Future] = {}
@@ -414,36 +373,8 @@ class StateStreamer:
                 f.cancel() or f.exception()
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-def _pread(region: FileRegion, buf: torch.Tensor, first: int) -> None:
-    """Fill ``buf`` with the region's elements from ``first`` on; a short read (a truncated file) is an error."""
-    view, done = _bytes(buf), 0
-    offset = region.offset + first * buf.element_size()
-    while done < len(view):
-        got = os.preadv(region.fd, [view[done:]], offset + done)
-        if got == 0:
-            raise StateStorageError(
-                errno.EIO,
-                f"The optimizer state file '{region.path}' ended {offset + done} bytes in, before the"
-                f" {offset + len(view)} its states need: it was truncated while training. Resume from the last"
-                " checkpoint.",
-            )
-        done += got
-
-
-def _pwrite(region: FileRegion, buf: torch.Tensor, first: int) -> None:
-    view, done = _bytes(buf), 0
-    offset = region.offset + first * buf.element_size()
-    while done < len(view):
-        done += os.pwritev(region.fd, [view[done:]], offset + done)
-
-
 __all__ = [
     "DEFAULT_STATE_CHUNK",
-    "FileRegion",
     "MmapStateStore",
     "StateStorageError",
     "StateStreamer",
