@@ -71,6 +71,22 @@ def test_failed_build_warns_and_falls_back(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(fallback, reference))
 
 
+def test_a_compiler_without_openmp_builds_the_serial_loop(monkeypatch):
+    built = []
+
+    def no_openmp(name, **kwargs):
+        if "-fopenmp" in kwargs["extra_cflags"]:
+            raise RuntimeError("unsupported option '-fopenmp'")
+        built.append(name)
+        return object()
+
+    monkeypatch.setattr(adamw_cpu, "_extension", None)
+    monkeypatch.setattr(adamw_cpu, "_failure", None)
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_openmp)
+    assert adamw_cpu.fused_cpu_available() and adamw_cpu._failure is None
+    assert len(built) == 1 and built[0].endswith("_serial")
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("where", [0, 70_000, 131_071])
 def test_fused_nonfinite_check_finds_every_kind_anywhere(bad, where):

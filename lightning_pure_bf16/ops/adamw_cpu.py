@@ -449,26 +449,32 @@ def fused_cpu_available() -> bool:
     """Whether the fused CPU loop compiled (it is compiled on the first call; a failure is reported once)."""
     global _extension, _failure
     if _extension is None and _failure is None:
-        try:
-            from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load_inline
 
-            # Vector instructions of the CPU torch itself dispatches to; part of the name, so each build is cached
-            # apart. No fused multiply-add contraction: every product is rounded, as in the PyTorch path. The random
-            # bits belong to each element's index, so any split over threads writes the same bytes.
-            capability = torch.backends.cpu.get_cpu_capability()
-            arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
-            _extension = load_inline(
-                name=f"lightning_pure_bf16_adamw_cpu_v17_{capability.lower()}",
-                cpp_sources=[_source()],
-                functions=["adamw_update_bf16", "adamw_update_q8", "any_nonfinite_bf16"],
-                # OpenMP, as torch itself is built: at::parallel_for then splits the loop over torch's threads (without
-                # it, ATen's inline parallel_for runs serially in an extension).
-                extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", *arch],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as err:  # noqa: BLE001 - any build failure means: use the PyTorch path
-            _failure = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
+        # Vector instructions of the CPU torch itself dispatches to; part of the name, so each build is cached apart.
+        # No fused multiply-add contraction: every product is rounded, as in the PyTorch path. The random bits belong
+        # to each element's index, so any split over threads writes the same bytes.
+        capability = torch.backends.cpu.get_cpu_capability()
+        arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
+        flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *arch]
+        # With OpenMP, as torch itself is built, at::parallel_for splits the loop over torch's threads (without it,
+        # ATen's inline parallel_for runs serially in an extension); a compiler without OpenMP builds the serial loop.
+        for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
+            try:
+                _extension = load_inline(
+                    name=f"lightning_pure_bf16_adamw_cpu_v17_{capability.lower()}{suffix}",
+                    cpp_sources=[_source()],
+                    functions=["adamw_update_bf16", "adamw_update_q8", "any_nonfinite_bf16"],
+                    extra_cflags=[*flags, *openmp],
+                    extra_ldflags=openmp,
+                    verbose=False,
+                )
+                break
+            except Exception as err:  # noqa: BLE001 - any build failure means: try the next, then the PyTorch path
+                _failure = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
+        if _extension is not None:
+            _failure = None
+        else:
             warnings.warn(
                 f"lightning_pure_bf16: the fused CPU optimizer loop did not compile ({_failure}); using the slower"
                 " PyTorch path. It needs a C++ compiler and ninja (`pip install ninja`).",
