@@ -40,6 +40,42 @@ GPU_BUCKET = 200_000_000
 CPU_BUCKET = 5_000_000
 
 
+def translate_precision(
+    plugin: Any, *, pure_cls: type, flag_classes: tuple[type, ...], api: str, strategy_name: str
+) -> Any:
+    """The front end's pure-bf16 precision plugin for the plugin its API made from a precision flag.
+
+    Only the plugins an API makes from ``ACCEPTED_PRECISION`` flags are translated; any other flag or plugin is a
+    user's choice that pure bf16 cannot honour.
+
+    Raises:
+        ValueError: saying what to pass instead.
+    """
+    if plugin is None or isinstance(plugin, pure_cls):
+        return plugin
+    flag = getattr(plugin, "precision", None)
+    if flag not in ACCEPTED_PRECISION or type(plugin) not in flag_classes:
+        raise ValueError(
+            f"`{api}(strategy='{strategy_name}', precision={flag!r})` is not supported: this strategy trains in pure"
+            " bf16. Leave `precision` unset or pass `precision='bf16-true'`."
+        )
+    return pure_cls()
+
+
+def on_cpu(accelerator: Any, *, cpu_cls: type, cuda_cls: type, api: str, strategy_name: str) -> bool:
+    """Whether the front end trains on the CPU (else CUDA).
+
+    Raises:
+        RuntimeError: for any other accelerator, saying what to pass.
+    """
+    if not isinstance(accelerator, (cuda_cls, cpu_cls)):
+        raise RuntimeError(
+            f"`{api}(strategy='{strategy_name}')` runs on CUDA GPUs or the CPU, but `{type(accelerator).__name__}` is"
+            " used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
+        )
+    return isinstance(accelerator, cpu_cls)
+
+
 class PureBF16Settings:
     """The options of a front end, resolved and checked once, and the DeepSpeed config built from them.
 
@@ -303,6 +339,8 @@ __all__ = [
     "PureBF16Settings",
     "SkipCounter",
     "after_engine_setup",
+    "on_cpu",
+    "translate_precision",
     "device_rank",
     "init_zero3_optimizer_state",
     "initialize_engine",

@@ -158,27 +158,24 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        if precision is None or isinstance(precision, PureBF16FabricPrecision):
-            self._precision = precision
-            return
-        flag = getattr(precision, "precision", None)
-        # Only the plugin Fabric makes from a precision flag is translated; any other plugin is a user choice.
-        if flag not in core.ACCEPTED_PRECISION or type(precision) not in (DeepSpeedPrecision, Precision):
-            raise ValueError(
-                f"`Fabric(strategy='{self.strategy_name}', precision={flag!r})` is not supported: this strategy trains"
-                " in pure bf16. Leave `precision` unset or pass `precision='bf16-true'`."
-            )
-        self._precision = PureBF16FabricPrecision()
+        self._precision = core.translate_precision(
+            precision,
+            pure_cls=PureBF16FabricPrecision,
+            flag_classes=(DeepSpeedPrecision, Precision),
+            api="Fabric",
+            strategy_name=self.strategy_name,
+        )
 
     # ---------------------------------------------------------------------------------------- environment (CPU too)
     @override
     def setup_environment(self) -> None:
-        if not isinstance(self.accelerator, (CUDAAccelerator, CPUAccelerator)):
-            raise RuntimeError(
-                f"`Fabric(strategy='{self.strategy_name}')` runs on CUDA GPUs or the CPU, but"
-                f" `{type(self.accelerator).__name__}` is used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
-            )
-        on_cpu = isinstance(self.accelerator, CPUAccelerator)
+        on_cpu = core.on_cpu(
+            self.accelerator,
+            cpu_cls=CPUAccelerator,
+            cuda_cls=CUDAAccelerator,
+            api="Fabric",
+            strategy_name=self.strategy_name,
+        )
         self.settings.configure_device(self.config, self.precision, on_cpu=on_cpu)
         # Fabric's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
         DDPStrategy.setup_environment(self)

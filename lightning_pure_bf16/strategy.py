@@ -207,27 +207,24 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        if precision_plugin is None or isinstance(precision_plugin, PureBF16Precision):
-            self._precision_plugin = precision_plugin
-            return
-        flag = getattr(precision_plugin, "precision", None)
-        # Only the plugin the Trainer makes from a precision flag is translated; any other plugin is a user choice.
-        if flag not in core.ACCEPTED_PRECISION or type(precision_plugin) not in (DeepSpeedPrecision, Precision):
-            raise ValueError(
-                f"`Trainer(strategy='{self.strategy_name}', precision={flag!r})` is not supported: this strategy trains"
-                " in pure bf16. Leave `precision` unset or pass `precision='bf16-true'`."
-            )
-        self._precision_plugin = PureBF16Precision()
+        self._precision_plugin = core.translate_precision(
+            precision_plugin,
+            pure_cls=PureBF16Precision,
+            flag_classes=(DeepSpeedPrecision, Precision),
+            api="Trainer",
+            strategy_name=self.strategy_name,
+        )
 
     # ---------------------------------------------------------------------------------------- environment (CPU too)
     @override
     def setup_environment(self) -> None:
-        if not isinstance(self.accelerator, (CUDAAccelerator, CPUAccelerator)):
-            raise RuntimeError(
-                f"`Trainer(strategy='{self.strategy_name}')` runs on CUDA GPUs or the CPU, but"
-                f" `{type(self.accelerator).__name__}` is used. Pass `accelerator='gpu'` or `accelerator='cpu'`."
-            )
-        on_cpu = isinstance(self.accelerator, CPUAccelerator)
+        on_cpu = core.on_cpu(
+            self.accelerator,
+            cpu_cls=CPUAccelerator,
+            cuda_cls=CUDAAccelerator,
+            api="Trainer",
+            strategy_name=self.strategy_name,
+        )
         self.settings.configure_device(self.config, self.precision_plugin, on_cpu=on_cpu)
         # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
         DDPStrategy.setup_environment(self)
