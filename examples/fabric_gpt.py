@@ -11,14 +11,13 @@ report: validation loss, training throughput, model-state memory per parameter.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gpt import GPT, GPTConfig, StdlibBytes, lr_factor
+from gpt import GPT, GPTConfig, StdlibBytes, job_arguments, lr_factor
 from lightning.fabric import Fabric
 from torchmetrics import MeanMetric
 
@@ -47,19 +46,7 @@ def validate(fabric: Fabric, model: torch.nn.Module, loader, batches: int) -> fl
 
 def main() -> None:
     on_gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=torch.cuda.device_count() if on_gpu else 2)
-    parser.add_argument("--max-steps", type=int, default=2000 if on_gpu else 400)
-    parser.add_argument("--rounding", choices=("stochastic", "kahan", "nearest"), default="stochastic")
-    parser.add_argument("--batch-size", type=int, default=64 if on_gpu else 16, help="per process")
-    parser.add_argument("--n-layer", type=int, default=6 if on_gpu else 4)
-    parser.add_argument("--n-embd", type=int, default=384 if on_gpu else 128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu-matmul", choices=("auto", "bf16", "float32"), default="auto")
-    parser.add_argument("--ckpt-dir", default=None, help="save checkpoints there (step-N.ckpt)")
-    parser.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (with --ckpt-dir)")
-    parser.add_argument("--resume", default=None, help="continue from this checkpoint (any world size, mid-epoch)")
+    parser = job_arguments(__doc__.splitlines()[0])
     args = parser.parse_args()
 
     fabric = Fabric(

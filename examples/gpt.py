@@ -7,6 +7,7 @@ machine with Python has; files are split into train and validation by a hash of 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 import sysconfig
@@ -246,6 +247,30 @@ class GPTModule(LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(hp.warmup_steps, hp.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def job_arguments(description: str) -> argparse.ArgumentParser:
+    """The command-line options train_gpt.py (Trainer) and fabric_gpt.py (Fabric) share, with the same defaults."""
+    on_gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--devices", type=int, default=torch.cuda.device_count() if on_gpu else 2)
+    parser.add_argument("--max-steps", type=int, default=2000 if on_gpu else 400)
+    parser.add_argument("--rounding", choices=("stochastic", "kahan", "nearest"), default="stochastic")
+    parser.add_argument("--batch-size", type=int, default=64 if on_gpu else 16, help="per process")
+    parser.add_argument("--n-layer", type=int, default=6 if on_gpu else 4)
+    parser.add_argument("--n-embd", type=int, default=384 if on_gpu else 128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ckpt-dir", default=None, help="save checkpoints there (step-N.ckpt)")
+    parser.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (with --ckpt-dir)")
+    parser.add_argument("--resume", default=None, help="continue from this checkpoint (any world size, mid-epoch too)")
+    parser.add_argument(
+        "--cpu-matmul",
+        choices=("auto", "bf16", "float32"),
+        default="auto",
+        help="CPU only: matrix products in float32 from the bf16 values (auto: where the CPU has no native bf16)",
+    )
+    return parser
 
 
 def lr_factor(warmup_steps: int, max_steps: int):  # noqa: ANN201

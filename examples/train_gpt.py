@@ -12,10 +12,8 @@ printing the validation loss, the training throughput and the measured model-sta
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from gpt import GPTModule, StdlibBytes, TrainingReport
+from gpt import GPTModule, StdlibBytes, TrainingReport, job_arguments
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -24,25 +22,8 @@ from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision
 
 def main() -> None:
     on_gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=torch.cuda.device_count() if on_gpu else 2)
-    parser.add_argument("--max-steps", type=int, default=2000 if on_gpu else 400)
-    parser.add_argument("--rounding", choices=("stochastic", "kahan", "nearest"), default="stochastic")
-    parser.add_argument("--batch-size", type=int, default=64 if on_gpu else 16, help="per process")
-    parser.add_argument("--n-layer", type=int, default=6 if on_gpu else 4)
-    parser.add_argument("--n-embd", type=int, default=384 if on_gpu else 128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = job_arguments(__doc__.splitlines()[0])
     parser.add_argument("--state-dir", default=None, help="keep the optimizer states in memory-mapped files there")
-    parser.add_argument("--ckpt-dir", default=None, help="save checkpoints there (step-N.ckpt and last.ckpt)")
-    parser.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (with --ckpt-dir)")
-    parser.add_argument("--resume", default=None, help="continue from this checkpoint (any world size, mid-epoch too)")
-    parser.add_argument(
-        "--cpu-matmul",
-        choices=("auto", "bf16", "float32"),
-        default="auto",
-        help="CPU only: matrix products in float32 from the bf16 values (auto: where the CPU has no native bf16)",
-    )
     args = parser.parse_args()
 
     seed_everything(args.seed)

@@ -92,3 +92,18 @@ def test_gpt_example_resumes_mid_epoch_bit_for_bit(tmp_path):
     # Not a coincidence of an untrained model: the weights moved from the step-3 checkpoint.
     mid = consolidate_checkpoint(tmp_path / "whole/step-3.ckpt")
     assert any(not torch.equal(mid[k], a[k]) for k in a)
+
+
+def test_fabric_example_trains_and_resumes_mid_epoch(tmp_path):
+    small = ["--max-steps", "6", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4", "--ckpt-every", "3"]
+    whole = _run(["fabric_gpt.py", *small, "--ckpt-dir", str(tmp_path / "whole")])
+    out = whole.stdout + whole.stderr
+    assert "validation loss:" in out and "8.00 B/param" in out and "6 steps in" in out
+    resume = ["--resume", str(tmp_path / "whole/step-3.ckpt")]
+    resumed = _run(["fabric_gpt.py", *small, "--ckpt-dir", str(tmp_path / "resumed"), *resume])
+    assert "3 steps in" in resumed.stdout + resumed.stderr
+    from lightning_pure_bf16 import consolidate_checkpoint
+
+    a = consolidate_checkpoint(tmp_path / "whole/step-6.ckpt")
+    b = consolidate_checkpoint(tmp_path / "resumed/step-6.ckpt")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
