@@ -250,6 +250,7 @@ def load_repartitioned(
             f" optimizer {len(inner.param_groups)}: configure_optimizers must build the same groups."
         )
     saved_keys = checkpoint.stored_keys()
+    step = checkpoint.step()
     fp32_masters = checkpoint.master_dtype == torch.float32
     kahan = [g["rounding"] == "kahan" for g in inner.param_groups] if hasattr(inner, "seed") else []
 
@@ -262,9 +263,9 @@ def load_repartitioned(
     with _internals.zero3_partitioned_for_load(zero_optimizer):
         for index, sub in enumerate(layout):
             want_comp = load_optimizer_states and bool(kahan) and kahan[sub.group]
-            buffers = {key: [] for key in saved_keys if load_optimizer_states}
-            if want_comp and "kahan_comp" not in buffers:
-                buffers["kahan_comp"] = []
+            # The moments as saved, and a remainder where this run keeps one (a saved one is dropped otherwise).
+            keys = [k for k in MOMENT_KEYS if k in saved_keys] + (["kahan_comp"] if want_comp else [])
+            buffers: dict[str, list[torch.Tensor]] = {key: [] for key in keys} if load_optimizer_states else {}
             offset = 0
             for name, _, part in sub.params:
                 master = slice_of(name, "param", part)
@@ -278,11 +279,9 @@ def load_repartitioned(
                     else:
                         pieces.append(torch.zeros(part, dtype=torch.float32))
                 offset += part
-            if buffers and checkpoint.step() is not None:
-                states[index] = {"step": torch.tensor(checkpoint.step(), dtype=torch.int64)}
+            if buffers and step is not None:
+                states[index] = {"step": torch.tensor(step, dtype=torch.int64)}
                 for key, pieces in buffers.items():
-                    if key == "kahan_comp" and not want_comp:
-                        continue
                     value = torch.cat(pieces) if pieces else torch.zeros(0)
                     states[index][key] = value.to(sub.flat.device)
     if not load_optimizer_states:
@@ -308,7 +307,7 @@ def load_repartitioned(
     loaded = ["weights"] + [k for k in STATE_KEYS if any(k in st for st in states.values())]
     if fp32_masters and "kahan_comp" in loaded:
         loaded[-1] = "kahan_comp (from the fp32 masters)"
-    return ", ".join(loaded) + f", step {checkpoint.step() or 0}, {skipped} skipped steps"
+    return ", ".join(loaded) + f", step {step or 0}, {skipped} skipped steps"
 
 
 # ------------------------------------------------------------------------------------------------ consolidation

@@ -15,17 +15,11 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from _models import MLP, param_groups  # noqa: E402
 
 out, universal = Path(sys.argv[1]), Path(sys.argv[2])
 deepspeed.init_distributed("gloo", dist_init_required=True)
 torch.manual_seed(1)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
 
 
 model = MLP()
@@ -36,13 +30,7 @@ config = {
     "zero_allow_untested_optimizer": True,
     "checkpoint": {"load_universal": True},
 }
-optimizer = torch.optim.AdamW(
-    [
-        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
-        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
-    ],
-    lr=1e-3,
-)
+optimizer = torch.optim.AdamW(param_groups(model), lr=1e-3)
 engine, _, _, _ = deepspeed.initialize(
     args=argparse.Namespace(device_rank=0), model=model, optimizer=optimizer, config=config, dist_init_required=False
 )

@@ -12,20 +12,11 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from _models import MLP, param_groups  # noqa: E402
 
 out = Path(sys.argv[1])
 deepspeed.init_distributed("gloo", dist_init_required=True)
 torch.manual_seed(0)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 model = MLP()
@@ -39,13 +30,7 @@ engine, _, _, _ = deepspeed.initialize(
     args=argparse.Namespace(device_rank=0),
     model=model,
     # The param groups of fit_mlp.py's configure_optimizers.
-    optimizer=torch.optim.AdamW(
-        [
-            {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
-            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
-        ],
-        lr=1e-2,
-    ),
+    optimizer=torch.optim.AdamW(param_groups(model), lr=1e-2),
     config=config,
     dist_init_required=False,
 )

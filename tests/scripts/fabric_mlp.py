@@ -11,28 +11,13 @@ import sys
 from pathlib import Path
 
 import torch
+from _models import MLP, data, param_groups
 from lightning.fabric import Fabric
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_pure_bf16
 from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-def data(n: int = 256) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 16, generator=g)
-    y = (x[:, :1] * 0.5 + torch.sin(x[:, 1:2])).float()
-    return TensorDataset(x, y)
 
 
 def record_clipping() -> list:
@@ -72,10 +57,7 @@ def main(out: Path, opts: dict) -> None:
     fabric.launch()
     fabric.seed_everything(1234)
     model = MLP()
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
-        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
-    ]
+    groups = param_groups(model)
     kind = opts.get("optimizer", "adamw")
     optimizer = torch.optim.AdamW(groups, lr=1e-2) if kind == "adamw" else torch.optim.SGD(groups, lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)

@@ -12,11 +12,18 @@ import warnings
 from pathlib import Path
 
 import torch
+
+try:  # run as a script (this folder on the path), or imported as tests.scripts.fit_mlp by a test
+    from _models import MLP as Layers
+    from _models import data, param_groups
+except ImportError:
+    from tests.scripts._models import MLP as Layers
+    from tests.scripts._models import data, param_groups
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
@@ -58,8 +65,7 @@ class MLP(LightningModule):
     def __init__(self, opts: dict) -> None:
         super().__init__()
         self.opts = opts
-        h = opts.get("hidden", 64)
-        self.net = nn.Sequential(nn.Linear(16, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 1))
+        self.net = Layers(opts.get("hidden", 64)).net
         if opts.get("freeze_first"):
             self.net[0].requires_grad_(False)
         self.lrs: list[float] = []
@@ -93,10 +99,7 @@ class MLP(LightningModule):
 
     def configure_optimizers(self):
         kind = self.opts.get("optimizer", "torch_adamw")
-        groups = [
-            {"params": [p for n, p in self.net.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
-            {"params": [p for n, p in self.net.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
-        ]
+        groups = param_groups(self.net)
         if kind == "torch_adamw":
             opt = torch.optim.AdamW(groups, lr=1e-2)
         elif kind == "torch_adam":
@@ -113,13 +116,6 @@ class MLP(LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def data(n: int = 256) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 16, generator=g)
-    y = (x[:, :1] * 0.5 + torch.sin(x[:, 1:2])).float()
-    return TensorDataset(x, y)
 
 
 def main(out: Path, opts: dict) -> None:
