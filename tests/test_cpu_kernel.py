@@ -5,6 +5,7 @@ import torch
 
 import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
 from lightning_pure_bf16 import Adam, AdamW
+from lightning_pure_bf16.ops.rounding import stochastic_round_sum_bf16
 
 SHAPES = [(6,), (42,), (123,), (431, 7), (1 << 16) + 3, (0,)]
 
@@ -20,10 +21,21 @@ def _run(opt_cls, shape, rounding, backend, steps=3, **kw):
     return [p.detach(), *(v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.ndim)]
 
 
+@pytest.fixture(params=["vector", "portable"])
+def loops(request):
+    """The explicit vector loops (where this CPU and build have them), then the portable loops, on the same CPU."""
+    assert adamw_cpu.fused_cpu_available()
+    has_vector = adamw_cpu._extension.use_vector_loops(request.param == "vector")
+    if request.param == "vector" and not has_vector:
+        pytest.skip("this build has no explicit vector loops for this CPU (the portable loops are tested)")
+    yield request.param
+    adamw_cpu._extension.use_vector_loops(True)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
 @pytest.mark.parametrize("opt_cls", [AdamW, Adam])
-def test_fused_cpu_loop_equals_torch_path_bit_for_bit(opt_cls, shape, rounding):
+def test_fused_cpu_loop_equals_torch_path_bit_for_bit(opt_cls, shape, rounding, loops):
     fused = _run(opt_cls, shape, rounding, "cpu")
     reference = _run(opt_cls, shape, rounding, "torch")
     assert len(fused) == len(reference) == (4 if rounding == "kahan" else 3)
@@ -123,3 +135,44 @@ def test_build_command_compiles_ahead_of_time():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fused CPU optimizer loop ready" in done.stdout
+
+
+def _sums_near_every_carry_boundary(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sums a + b with TwoSum errors of every size, and random bits chosen so that the 16 discarded bits of the float32
+    sum plus the bits land within 2**17 of a carry (where only the exact sum decides), or anywhere."""
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16).float()
+    scale = torch.pow(10.0, -torch.randint(1, 9, (n,), generator=gen).float())
+    b = torch.randn(n, generator=gen) * scale * a.abs().clamp(min=1e-30)
+    b[: n // 8] = -a[: n // 8] * 0.5  # steps down to and across powers of two
+    a[n // 8 : n // 4] = torch.ldexp(torch.ones(n // 8), torch.randint(-120, 120, (n // 8,), generator=gen))
+    b[n // 8 : n // 4] = -a[n // 8 : n // 4] * torch.rand(n // 8, generator=gen) * 1e-6  # just below a power of two
+    s_bits = (a + b).view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    low = (s_bits << 16) & 0xFFFFFFFF
+    offset = torch.randint(-(1 << 17), 1 << 17, (n,), generator=gen)
+    bits = (offset - low) & 0xFFFFFFFF
+    anywhere = torch.rand(n, generator=gen) < 0.25
+    bits[anywhere] = torch.randint(0, 1 << 32, (int(anywhere.sum()),), generator=gen)
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    return a, b, bits
+
+
+def test_fast_sum_rounding_equals_the_exact_one_at_every_carry_boundary(loops):
+    a, b, bits = _sums_near_every_carry_boundary(40_003)
+    extremes = torch.tensor(
+        [3.0e38, -3.0e38, 1.7e38, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-45, 2.0**-126]
+    )
+    a = torch.cat([a, extremes, extremes.flip(0)])
+    b = torch.cat([b, extremes.flip(0) * 0.75, -extremes * 1e-3])
+    bits = torch.cat([bits, torch.arange(2 * len(extremes), dtype=torch.int32) * 0x3C6EF372])
+    got = adamw_cpu._extension.stochastic_round_sum_bf16(a, b, bits)
+    want = stochastic_round_sum_bf16(a, b, bits)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # The fast decision alone (the carry of the float32 sum's discarded bits plus the random bits) differs from the
+    # exact one on a good share of these inputs: the test reaches the exact decision.
+    fast_alone = (((a + b).view(torch.int32).to(torch.int64) & 0xFFFF) << 16) + (bits.to(torch.int64) & 0xFFFFFFFF)
+    fast_up = (fast_alone >> 32) != 0
+    sum_bits = (a + b).view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    exact_up = (want.view(torch.int16).to(torch.int64) & 0x7FFF) > (sum_bits >> 16)
+    finite = torch.isfinite(a + b)
+    assert int(((fast_up != exact_up) & finite).sum()) > 1000

@@ -95,46 +95,234 @@ PB16_INLINE uint16_t round_nearest(float x) {
   return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);  // a select, not a branch: the loop vectorizes
 }
 
+// Stochastic rounding of the exact sum a + b, the common case: the carry out of the 16 discarded bits of the float32
+// sum plus 32 random bits. TwoSum's error e moves that sum by at most 2**16 units (|e| <= half a float32 ulp of s, in
+// units of 2**-16 float32 ulp, doubled below a power of two), so it can change the carry only when the sum lies within
+// 2**16 of a carry boundary; `exact` is set for those (one in 2**14 elements, by the random bits) and for sums near the
+// float32 range limit, whose TwoSum steps may overflow, and round_stochastic_sum decides them.
+PB16_INLINE uint16_t round_stochastic_sum_fast(float a, float b, uint32_t r, uint32_t& exact) {
+  const uint32_t sb = bits_of(a + b);
+  const uint32_t mag = sb & 0x7FFFFFFFu;
+  const uint32_t t = (mag << 16) + r;
+  const uint32_t carry = static_cast<uint32_t>(t < r);
+  exact |= static_cast<uint32_t>((t + 0x20000u) < 0x40000u) |
+           static_cast<uint32_t>(std::max(mag, bits_of(a) & 0x7FFFFFFFu) >= 0x7E800000u);
+  const uint32_t kept = mag >> 16;
+  const uint32_t special = kept | (static_cast<uint32_t>(mag > 0x7F800000u) << 6);  // inf stays inf, NaN quiet
+  return static_cast<uint16_t>((mag < 0x7F800000u ? kept + carry : special) | ((sb >> 16) & 0x8000u));
+}
+
 }  // namespace
+
+// Whether the explicit vector loops run (the tests switch them off to check the portable loops on the same CPU).
+static std::atomic<bool> vector_loops{true};
 
 struct Scalars {
   float b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
 };
 
-// One block of elements sharing the high 32 bits of their index; ROUNDING: 0 nearest, 1 stochastic, 2 Kahan.
-// Compile-time switches keep the loop free of branches so the compiler vectorizes it.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PB16_AVX512 1
+// The loop in AVX-512 registers, 32 elements a step, the same operations as the scalar code lane by lane.
+// Widening: unpacking 32 bf16 words with zeros puts each word in the high half of a 32-bit lane (a float), in two
+// vectors holding elements {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} (unpacks work per 128-bit
+// lane); packing the high halves of the two results back (a shift and an unsigned-saturating pack per 128-bit lane)
+// restores the memory order. The index of each lane (its random bits) follows the same order.
+namespace avx512 {
+struct Consts {
+  __m512 b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
+  __m512i iota_a, iota_b;
+  explicit Consts(const Scalars& s)
+      : b1(_mm512_set1_ps(s.b1)), omb1(_mm512_set1_ps(s.omb1)), b2(_mm512_set1_ps(s.b2)),
+        omb2(_mm512_set1_ps(s.omb2)), eps(_mm512_set1_ps(s.eps)), wd(_mm512_set1_ps(s.wd)),
+        decay(_mm512_set1_ps(s.decay)), neg_step(_mm512_set1_ps(s.neg_step)), inv_bc2(_mm512_set1_ps(s.inv_bc2)),
+        iota_a(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)),
+        iota_b(_mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)) {}
+};
+PB16_INLINE __m512i c32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+PB16_INLINE __m512i mix32v(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT1));
+  x = _mm512_mullo_epi32(x, c32(MIX_MUL1));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT2));
+  x = _mm512_mullo_epi32(x, c32(MIX_MUL2));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT3));
+}
+PB16_INLINE __m512 as_f(__m512i x) { return _mm512_castsi512_ps(x); }
+PB16_INLINE __m512i as_i(__m512 x) { return _mm512_castps_si512(x); }
+// Returns 32-bit lanes whose high halves are the bf16 results (the low halves are discarded by pack16).
+PB16_INLINE __m512i round_nearest_v(__m512 x) {
+  const __m512i b = as_i(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), c32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, c32(0x7FFFu)), odd);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, c32(0x7FFFFFFFu)), c32(0x7F800000u));
+  return _mm512_mask_or_epi32(rounded, nan, b, c32(0x00400000u));
+}
+PB16_INLINE __m512 widen_high(__m512i x) { return as_f(_mm512_and_si512(x, c32(0xFFFF0000u))); }
+PB16_INLINE __m512i round_stochastic_v(__m512 x, __m512i r) {
+  return _mm512_add_epi32(as_i(x), _mm512_and_si512(r, c32(0xFFFFu)));
+}
+// round_stochastic_sum_fast in vector form; lanes that need the exact decision are added to `exact`.
+PB16_INLINE __m512i round_stochastic_sum_v(__m512 a, __m512 b, __m512i r, __mmask16& exact) {
+  const __m512i sb = as_i(_mm512_add_ps(a, b));
+  const __m512i mag = _mm512_and_si512(sb, c32(0x7FFFFFFFu));
+  const __m512i t = _mm512_add_epi32(_mm512_slli_epi32(mag, 16), r);
+  const __mmask16 carry = _mm512_cmplt_epu32_mask(t, r);
+  const __m512i biggest = _mm512_max_epu32(mag, _mm512_and_si512(as_i(a), c32(0x7FFFFFFFu)));
+  exact |= _mm512_cmplt_epu32_mask(_mm512_add_epi32(t, c32(0x20000u)), c32(0x40000u)) |
+           _mm512_cmpge_epu32_mask(biggest, c32(0x7E800000u));
+  // A carry adds one to the magnitude, the sign bit above it unchanged.
+  return _mm512_mask_add_epi32(sb, carry, sb, c32(0x10000u));
+}
+PB16_INLINE __m512i pack16(__m512i a, __m512i b) {
+  return _mm512_packus_epi32(_mm512_srli_epi32(a, 16), _mm512_srli_epi32(b, 16));
+}
+PB16_INLINE void unpack16(const uint16_t* src, __m512& a, __m512& b) {
+  const __m512i x = _mm512_loadu_si512(src);
+  const __m512i zero = _mm512_setzero_si512();
+  a = as_f(_mm512_unpacklo_epi16(zero, x));
+  b = as_f(_mm512_unpackhi_epi16(zero, x));
+}
+
+template <int ROUNDING, bool L2, bool DECOUPLED>
+struct Half {
+  __m512i p_out, m_out, v_out, c_out;
+  __m512 a, delta;  // the exact sum's terms, kept for the exact decision of rare lanes
+};
+
+template <int ROUNDING, bool L2, bool DECOUPLED>
+PB16_INLINE void update_half(Half<ROUNDING, L2, DECOUPLED>& h, __m512 p, __m512 g, __m512 m, __m512 v, __m512 c,
+                             __m512i lo, const Consts& k, __m512i kp, __m512i km, __m512i kv, __mmask16& exact) {
+  if (L2) g = _mm512_add_ps(g, _mm512_mul_ps(p, k.wd));
+  v = _mm512_add_ps(_mm512_mul_ps(v, k.b2), _mm512_mul_ps(_mm512_mul_ps(g, g), k.omb2));
+  m = _mm512_add_ps(_mm512_mul_ps(m, k.b1), _mm512_mul_ps(g, k.omb1));
+  __m512 delta = _mm512_mul_ps(
+      _mm512_div_ps(m, _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), k.inv_bc2), k.eps)), k.neg_step);
+  if (DECOUPLED) delta = _mm512_sub_ps(delta, _mm512_mul_ps(p, k.decay));
+  if (ROUNDING == 0) {
+    h.p_out = round_nearest_v(_mm512_add_ps(p, delta));
+    h.m_out = round_nearest_v(m);
+    h.v_out = round_nearest_v(v);
+    return;
+  }
+  const __m512i rp = mix32v(_mm512_xor_si512(lo, kp));
+  if (ROUNDING == 2) {
+    h.p_out = round_nearest_v(_mm512_add_ps(p, _mm512_add_ps(delta, c)));
+    h.a = _mm512_sub_ps(c, _mm512_sub_ps(widen_high(h.p_out), p));
+    h.c_out = round_stochastic_sum_v(h.a, delta, rp, exact);
+  } else {
+    h.a = p;
+    h.p_out = round_stochastic_sum_v(p, delta, rp, exact);
+  }
+  h.delta = delta;
+  h.m_out = round_stochastic_v(m, mix32v(_mm512_xor_si512(lo, km)));
+  h.v_out = round_stochastic_v(v, mix32v(_mm512_xor_si512(lo, kv)));
+}
+
+// Elements [begin, begin + 32 * steps); returns where it stopped.
+template <int ROUNDING, bool L2, bool DECOUPLED>
+int64_t update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
+                     uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end,
+                     const Scalars& s, uint32_t kp_, uint32_t km_, uint32_t kv_, uint32_t lo_offset) {
+  const Consts k(s);
+  const __m512i kp = c32(kp_), km = c32(km_), kv = c32(kv_);
+  int64_t i = begin;
+  for (; i + 32 <= end; i += 32) {
+    const __m512i base = c32(static_cast<uint32_t>(i) + lo_offset);
+    const __m512i lo_a = _mm512_add_epi32(base, k.iota_a), lo_b = _mm512_add_epi32(base, k.iota_b);
+    __m512 pa, pb, ga, gb, ma, mb, va, vb, ca = _mm512_setzero_ps(), cb = _mm512_setzero_ps();
+    unpack16(P + i, pa, pb);
+    unpack16(G + i, ga, gb);
+    unpack16(M + i, ma, mb);
+    unpack16(V + i, va, vb);
+    if (ROUNDING == 2) unpack16(C + i, ca, cb);
+    Half<ROUNDING, L2, DECOUPLED> ha, hb;
+    __mmask16 exact_a = 0, exact_b = 0;
+    update_half(ha, pa, ga, ma, va, ca, lo_a, k, kp, km, kv, exact_a);
+    update_half(hb, pb, gb, mb, vb, cb, lo_b, k, kp, km, kv, exact_b);
+    _mm512_storeu_si512(P + i, pack16(ha.p_out, hb.p_out));
+    _mm512_storeu_si512(M + i, pack16(ha.m_out, hb.m_out));
+    _mm512_storeu_si512(V + i, pack16(ha.v_out, hb.v_out));
+    if (ROUNDING == 2) _mm512_storeu_si512(C + i, pack16(ha.c_out, hb.c_out));
+    if (ROUNDING != 0 && (exact_a | exact_b) != 0) {
+      // Rare: decide these 32 elements with the exact sum.
+      alignas(64) float a[32], d[32];
+      alignas(64) uint32_t idx[32];
+      _mm512_store_ps(a, ha.a);
+      _mm512_store_ps(a + 16, hb.a);
+      _mm512_store_ps(d, ha.delta);
+      _mm512_store_ps(d + 16, hb.delta);
+      _mm512_store_si512(idx, k.iota_a);
+      _mm512_store_si512(idx + 16, k.iota_b);
+      uint16_t* target = ROUNDING == 2 ? C + i : P + i;
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t lo = static_cast<uint32_t>(i) + lo_offset + idx[j];
+        target[idx[j]] = round_stochastic_sum(a[j], d[j], mix32(lo ^ kp_));
+      }
+    }
+  }
+  return i;
+}
+}  // namespace avx512
+#endif
+
+constexpr int64_t CHUNK = 64;
+
 template <int ROUNDING, bool L2, bool DECOUPLED>
 void update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
                   uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end, const Scalars& s,
                   uint32_t kp, uint32_t km, uint32_t kv, uint32_t lo_offset) {
-  // The five buffers never overlap (restrict lets the compiler vectorize without run-time alias checks).
-  for (int64_t i = begin; i < end; ++i) {
-    const uint32_t lo = static_cast<uint32_t>(i) + lo_offset;  // low word of the index in the whole tensor
-    const float p = widen(P[i]);
-    float g = widen(G[i]);
-    float m = widen(M[i]);
-    float v = widen(V[i]);
-    // The PyTorch path's operations, one rounding each, in its order.
-    if (L2) g = g + p * s.wd;
-    v = v * s.b2 + (g * g) * s.omb2;
-    m = m * s.b1 + g * s.omb1;
-    float delta = (m / (std::sqrt(v) * s.inv_bc2 + s.eps)) * s.neg_step;
-    if (DECOUPLED) delta = delta - p * s.decay;
-    if (ROUNDING == 0) {
-      P[i] = round_nearest(p + delta);
-      M[i] = round_nearest(m);
-      V[i] = round_nearest(v);
-    } else {
-      if (ROUNDING == 2) {
-        const float c = widen(C[i]);
-        const uint16_t out = round_nearest(p + (delta + c));
-        C[i] = round_stochastic_sum(c - (widen(out) - p), delta, mix32(lo ^ kp));
-        P[i] = out;
+#ifdef PB16_AVX512
+  if (vector_loops)
+    begin = avx512::update_block<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, end, s, kp, km, kv, lo_offset);
+#endif
+  alignas(64) float abuf[CHUNK];
+  alignas(64) float bbuf[CHUNK];
+  for (int64_t c0 = begin; c0 < end; c0 += CHUNK) {
+    const int64_t cn = std::min(CHUNK, end - c0);
+    uint32_t exact = 0;
+    uint16_t* __restrict__ Pc = P + c0;
+    const uint16_t* __restrict__ Gc = G + c0;
+    uint16_t* __restrict__ Mc = M + c0;
+    uint16_t* __restrict__ Vc = V + c0;
+    uint16_t* __restrict__ Cc = ROUNDING == 2 ? C + c0 : nullptr;
+    const uint32_t lo0 = static_cast<uint32_t>(c0) + lo_offset;
+    for (int64_t j = 0; j < cn; ++j) {
+      const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+      const float p = widen(Pc[j]);
+      float g = widen(Gc[j]);
+      float m = widen(Mc[j]);
+      float v = widen(Vc[j]);
+      if (L2) g = g + p * s.wd;
+      v = v * s.b2 + (g * g) * s.omb2;
+      m = m * s.b1 + g * s.omb1;
+      float delta = (m / (std::sqrt(v) * s.inv_bc2 + s.eps)) * s.neg_step;
+      if (DECOUPLED) delta = delta - p * s.decay;
+      if (ROUNDING == 0) {
+        Pc[j] = round_nearest(p + delta);
+        Mc[j] = round_nearest(m);
+        Vc[j] = round_nearest(v);
       } else {
-        P[i] = round_stochastic_sum(p, delta, mix32(lo ^ kp));
+        if (ROUNDING == 2) {
+          const float c = widen(Cc[j]);
+          const uint16_t out = round_nearest(p + (delta + c));
+          const float a = c - (widen(out) - p);
+          Cc[j] = round_stochastic_sum_fast(a, delta, mix32(lo ^ kp), exact);
+          abuf[j] = a;
+          Pc[j] = out;
+        } else {
+          Pc[j] = round_stochastic_sum_fast(p, delta, mix32(lo ^ kp), exact);
+          abuf[j] = p;
+        }
+        bbuf[j] = delta;
+        Mc[j] = round_stochastic(m, mix32(lo ^ km));
+        Vc[j] = round_stochastic(v, mix32(lo ^ kv));
       }
-      M[i] = round_stochastic(m, mix32(lo ^ km));
-      V[i] = round_stochastic(v, mix32(lo ^ kv));
+    }
+    if (ROUNDING != 0 && exact != 0) {
+      uint16_t* __restrict__ target = ROUNDING == 2 ? Cc : Pc;
+      for (int64_t j = 0; j < cn; ++j)
+        target[j] = round_stochastic_sum(abuf[j], bbuf[j], mix32((lo0 + static_cast<uint32_t>(j)) ^ kp));
     }
   }
 }
@@ -219,7 +407,7 @@ void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, 
                       int64_t key_v, int64_t offset) {
   constexpr bool Q8M = sizeof(MT) == 1;
   constexpr bool C8 = sizeof(CT) == 1;
-  float mbuf[QBLOCK], vbuf[QBLOCK];
+  float mbuf[QBLOCK], vbuf[QBLOCK], abuf[QBLOCK], dbuf[QBLOCK];
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
     const int64_t begin = qb * QBLOCK, count = std::min(QBLOCK, n - begin);
     const int64_t global = begin + offset;  // offset is a multiple of QBLOCK: one high index word per block
@@ -244,6 +432,7 @@ void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, 
         vbuf[j] = widen(Vb[j]);
       }
     }
+    uint32_t exact = 0;
     for (int64_t j = 0; j < count; ++j) {
       const uint32_t lo = lo0 + static_cast<uint32_t>(j);
       const float p = widen(Pb[j]);
@@ -259,16 +448,30 @@ void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, 
         if constexpr (C8) c = static_cast<float>(Cb[j]) * residual_unit(Pb[j]);
         else c = widen(Cb[j]);
         const uint16_t out = round_nearest(p + (delta + c));
-        if constexpr (C8) Cb[j] = encode_residual((c - (widen(out) - p)) + delta, out, mix32(lo ^ kp));
-        else Cb[j] = round_stochastic_sum(c - (widen(out) - p), delta, mix32(lo ^ kp));
+        if constexpr (C8) {
+          Cb[j] = encode_residual((c - (widen(out) - p)) + delta, out, mix32(lo ^ kp));
+        } else {
+          abuf[j] = c - (widen(out) - p);
+          dbuf[j] = delta;
+          Cb[j] = round_stochastic_sum_fast(abuf[j], delta, mix32(lo ^ kp), exact);
+        }
         Pb[j] = out;
       } else if constexpr (ROUNDING == 1) {
-        Pb[j] = round_stochastic_sum(p, delta, mix32(lo ^ kp));
+        abuf[j] = p;
+        dbuf[j] = delta;
+        Pb[j] = round_stochastic_sum_fast(p, delta, mix32(lo ^ kp), exact);
       } else {
         Pb[j] = round_nearest(p + delta);
       }
       mbuf[j] = m;
       vbuf[j] = v;
+    }
+    if (exact != 0) {  // rare (round_stochastic_sum_fast): these elements decided with the exact sum
+      for (int64_t j = 0; j < count; ++j) {
+        const uint16_t out = round_stochastic_sum(abuf[j], dbuf[j], mix32((lo0 + static_cast<uint32_t>(j)) ^ kp));
+        if constexpr (ROUNDING == 2 && !C8) Cb[j] = out;
+        else Pb[j] = out;
+      }
     }
     if constexpr (Q8M) {
       // The largest magnitude as the largest bit pattern with the sign cleared (the same order for finite floats):
@@ -373,6 +576,50 @@ void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
 #undef PB16_Q8
 }
 
+// Stochastic rounding of exact sums on its own, through the loops' paths: a and b float32, bits int32 (tests).
+torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch::Tensor bits) {
+  const int64_t n = a.numel();
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && bits.scalar_type() == at::kInt,
+              "stochastic_round_sum_bf16: needs float32 a and b and int32 bits");
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && bits.device().is_cpu() && a.is_contiguous() &&
+                  b.is_contiguous() && bits.is_contiguous() && b.numel() == n && bits.numel() == n,
+              "stochastic_round_sum_bf16: needs contiguous CPU tensors of one size");
+  torch::Tensor out = torch::empty({n}, a.options().dtype(at::kBFloat16));
+  const float* A = a.data_ptr<float>();
+  const float* B = b.data_ptr<float>();
+  const uint32_t* R = reinterpret_cast<const uint32_t*>(bits.data_ptr());
+  uint16_t* O = reinterpret_cast<uint16_t*>(out.data_ptr());
+  int64_t i = 0;
+#ifdef PB16_AVX512
+  for (; vector_loops && i + 16 <= n; i += 16) {
+    __mmask16 exact = 0;
+    const __m512i r = _mm512_loadu_si512(R + i);
+    const __m512i res = avx512::round_stochastic_sum_v(_mm512_loadu_ps(A + i), _mm512_loadu_ps(B + i), r, exact);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(O + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(res, 16)));
+    for (int j = 0; j < 16; ++j)
+      if ((exact >> j) & 1) O[i + j] = round_stochastic_sum(A[i + j], B[i + j], R[i + j]);
+  }
+#endif
+  for (; i < n; i += CHUNK) {
+    const int64_t cn = std::min(CHUNK, n - i);
+    uint32_t exact = 0;
+    for (int64_t j = 0; j < cn; ++j) O[i + j] = round_stochastic_sum_fast(A[i + j], B[i + j], R[i + j], exact);
+    if (exact != 0)
+      for (int64_t j = 0; j < cn; ++j) O[i + j] = round_stochastic_sum(A[i + j], B[i + j], R[i + j]);
+  }
+  return out;
+}
+
+// Switches the explicit vector loops on or off; returns whether this build has them (tests).
+bool use_vector_loops(bool on) {
+  vector_loops = on;
+#ifdef PB16_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether any element is inf or NaN (exponent bits all ones): one read-only pass, an OR-reduction that vectorizes.
 bool any_nonfinite_bf16(torch::Tensor t) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
@@ -462,9 +709,15 @@ def fused_cpu_available() -> bool:
         for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
             try:
                 _extension = load_inline(
-                    name=f"lightning_pure_bf16_adamw_cpu_v17_{capability.lower()}{suffix}",
+                    name=f"lightning_pure_bf16_adamw_cpu_v18_{capability.lower()}{suffix}",
                     cpp_sources=[_source()],
-                    functions=["adamw_update_bf16", "adamw_update_q8", "any_nonfinite_bf16"],
+                    functions=[
+                        "adamw_update_bf16",
+                        "adamw_update_q8",
+                        "any_nonfinite_bf16",
+                        "stochastic_round_sum_bf16",
+                        "use_vector_loops",
+                    ],
                     extra_cflags=[*flags, *openmp],
                     extra_ldflags=openmp,
                     verbose=False,
