@@ -18,7 +18,7 @@ from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_, fused_cpu_avail
 from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, adamw_update_torch_
 
 SHAPES = [(6,), (42, 3), (3000,), (431, 7), (0,), (5000,)]
-# Small chunks, so every tensor above 1024 elements streams through several chunks and both slots.
+# Small chunks, so every tensor above 1024 elements streams through several chunks (and, on CUDA, both slots).
 CHUNK = 1024
 
 
@@ -135,6 +135,74 @@ def test_mmap_states_give_the_in_memory_results_bit_for_bit(tmp_path, opt_cls, b
     _train(in_memory, a, 4)
     _train(in_files, b, 4)
     _assert_same(a, in_memory, b, in_files)
+    in_files.close()
+
+
+def test_cpu_updates_in_the_mapping_with_each_chunk_brought_in_first(tmp_path, monkeypatch):
+    brought_in = []
+    monkeypatch.setattr(mmap_states, "prefault", lambda t: brought_in.append((t.data_ptr(), t.numel())))
+    p = torch.randn(5000).to(torch.bfloat16).requires_grad_()
+    opt = AdamW([p], lr=1e-2, seed=1, state_storage="mmap", state_dir=tmp_path, state_chunk_size=CHUNK)
+    calls = []
+    real = mmap_states.StateStreamer.update
+
+    def spy(self, update, param, grad, states, forward):  # noqa: ANN001, ANN202
+        def record(param_chunk, grad_chunk, *rest, index_offset):  # noqa: ANN001, ANN202
+            m = forward_args[0]
+            calls.append((m.data_ptr(), m.numel(), index_offset))
+            return update(param_chunk, grad_chunk, *rest, index_offset=index_offset)
+
+        def fwd(chunks):  # noqa: ANN001, ANN202
+            forward_args[:] = chunks
+            return forward(chunks)
+
+        forward_args: list = []
+        return real(self, record, param, grad, states, fwd)
+
+    monkeypatch.setattr(mmap_states.StateStreamer, "update", spy)
+    p.grad = torch.randn(5000).to(torch.bfloat16)
+    opt.step()
+    m = opt.state[p]["exp_avg"]
+    # Five chunks of the moment, each a piece of the file's mapping itself (no staging slot), each brought in before
+    # its update; the streamer holds no buffers of its own.
+    size = m.element_size()
+    assert [(ptr, n) for ptr, n, _ in calls] == [
+        (m.data_ptr() + i * CHUNK * size, min(CHUNK, 5000 - i * CHUNK)) for i in range(5)
+    ]
+    assert [off for _, _, off in calls] == [0, 1024, 2048, 3072, 4096]
+    assert all(c[:2] in brought_in for c in calls)
+    assert all(not b for s in opt._streamers.values() for b in s.host)
+    opt.close()
+
+
+def test_a_state_file_that_cannot_be_read_in_is_an_error_not_a_crash(tmp_path):
+    path = tmp_path / "states.bin"
+    path.write_bytes(bytes(1 << 20))
+    mapped = torch.from_file(str(path), shared=True, size=1 << 20, dtype=torch.uint8)
+    mmap_states.prefault(mapped)
+    os.truncate(path, 4096)  # behind the optimizer's back, after its per-step check
+    with pytest.raises(StateStorageError, match="could not be read into memory.*resume from the last checkpoint"):
+        mmap_states.prefault(mapped[8192:])
+
+
+def test_kernels_without_populate_write_fall_back_to_readahead(tmp_path, monkeypatch):
+    advised = []
+
+    def old_kernel(t, advice):  # noqa: ANN001, ANN202
+        advised.append(advice)
+        return 22 if advice == mmap_states._MADV_POPULATE_WRITE else 0  # EINVAL: unknown advice
+
+    monkeypatch.setattr(mmap_states, "_madvise", old_kernel)
+    monkeypatch.setattr(mmap_states, "_populate_write", True)
+    init = _params()
+    a, b = [p.clone().requires_grad_() for p in init], [p.clone().requires_grad_() for p in init]
+    in_memory = _make(a)
+    in_files = _make(b, state_storage="mmap", state_dir=tmp_path, state_chunk_size=CHUNK)
+    _train(in_memory, a, 2)
+    _train(in_files, b, 2)
+    _assert_same(a, in_memory, b, in_files)
+    assert advised[0] == mmap_states._MADV_POPULATE_WRITE and not mmap_states._populate_write
+    assert set(advised[1:]) == {mmap_states._MADV_WILLNEED}
     in_files.close()
 
 
