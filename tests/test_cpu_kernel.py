@@ -43,6 +43,32 @@ def test_fused_cpu_loop_equals_torch_path_bit_for_bit(opt_cls, shape, rounding, 
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+def test_fused_cpu_loop_equals_torch_path_with_non_finite_values(rounding, loops):
+    """Gradients with inf and NaN, applied anyway (no non-finite check): inf and NaN reach every buffer, in the same
+    places as on the PyTorch path, and every other value is the same bit for bit."""
+
+    def run(backend):
+        gen = torch.Generator().manual_seed(5)
+        p = (torch.randn(4099, generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+        opt = AdamW([p], lr=1e-2, weight_decay=0.05, rounding=rounding, seed=11, backend=backend)
+        opt.check_nonfinite = False
+        for t in range(3):
+            g = torch.randn(4099, generator=gen)
+            g[torch.randint(0, 4099, (40,), generator=gen)] = float("nan")
+            g[torch.randint(0, 4099, (40,), generator=gen)] = float("inf") * (-1) ** t
+            p.grad = g.to(torch.bfloat16)
+            opt.step()
+        return [p.detach(), *(v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.ndim)]
+
+    fused, reference = run("cpu"), run("torch")
+    assert fused[0].isnan().any()
+    for a, b in zip(fused, reference):
+        # A NaN is a NaN (torch's own cast to bf16 makes every NaN its canonical one; the loop keeps sign and payload).
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a[~a.isnan()].view(torch.int16), b[~b.isnan()].view(torch.int16))
+
+
 def test_auto_picks_the_fused_loop_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(
@@ -162,9 +188,13 @@ def test_fast_sum_rounding_equals_the_exact_one_at_every_carry_boundary(loops):
     extremes = torch.tensor(
         [3.0e38, -3.0e38, 1.7e38, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-45, 2.0**-126]
     )
+    # NaNs whose low bits are set (the rounding keeps them NaN, quiet, and drops those bits), and sums near the top
+    # of the float32 range.
+    payloads = torch.tensor([0x7FC0FFFF, -0x3E0001, 0x7F80FFFF, 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    extremes = torch.cat([extremes, payloads, torch.tensor([3.39e38, -3.4e38, 2.0**127, -(2.0**126)])])
     a = torch.cat([a, extremes, extremes.flip(0)])
     b = torch.cat([b, extremes.flip(0) * 0.75, -extremes * 1e-3])
-    bits = torch.cat([bits, torch.arange(2 * len(extremes), dtype=torch.int32) * 0x3C6EF372])
+    bits = torch.cat([bits, (torch.arange(2 * len(extremes), dtype=torch.int64) * 0x3C6EF372 % (1 << 31)).int()])
     got = adamw_cpu._extension.stochastic_round_sum_bf16(a, b, bits)
     want = stochastic_round_sum_bf16(a, b, bits)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -121,161 +121,14 @@ struct Scalars {
   float b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PB16_AVX512 1
-// The loop in AVX-512 registers, 32 elements a step, the same operations as the scalar code lane by lane.
-// Widening: unpacking 32 bf16 words with zeros puts each word in the high half of a 32-bit lane (a float), in two
-// vectors holding elements {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} (unpacks work per 128-bit
-// lane); packing the high halves of the two results back (a shift and an unsigned-saturating pack per 128-bit lane)
-// restores the memory order. The index of each lane (its random bits) follows the same order.
-namespace avx512 {
-struct Consts {
-  __m512 b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
-  __m512i iota_a, iota_b;
-  explicit Consts(const Scalars& s)
-      : b1(_mm512_set1_ps(s.b1)), omb1(_mm512_set1_ps(s.omb1)), b2(_mm512_set1_ps(s.b2)),
-        omb2(_mm512_set1_ps(s.omb2)), eps(_mm512_set1_ps(s.eps)), wd(_mm512_set1_ps(s.wd)),
-        decay(_mm512_set1_ps(s.decay)), neg_step(_mm512_set1_ps(s.neg_step)), inv_bc2(_mm512_set1_ps(s.inv_bc2)),
-        iota_a(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)),
-        iota_b(_mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)) {}
-};
-PB16_INLINE __m512i c32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-PB16_INLINE __m512i mix32v(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT1));
-  x = _mm512_mullo_epi32(x, c32(MIX_MUL1));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT2));
-  x = _mm512_mullo_epi32(x, c32(MIX_MUL2));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT3));
-}
-PB16_INLINE __m512 as_f(__m512i x) { return _mm512_castsi512_ps(x); }
-PB16_INLINE __m512i as_i(__m512 x) { return _mm512_castps_si512(x); }
-// Returns 32-bit lanes whose high halves are the bf16 results (the low halves are discarded by pack16).
-PB16_INLINE __m512i round_nearest_v(__m512 x) {
-  const __m512i b = as_i(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), c32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, c32(0x7FFFu)), odd);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, c32(0x7FFFFFFFu)), c32(0x7F800000u));
-  return _mm512_mask_or_epi32(rounded, nan, b, c32(0x00400000u));
-}
-PB16_INLINE __m512 widen_high(__m512i x) { return as_f(_mm512_and_si512(x, c32(0xFFFF0000u))); }
-PB16_INLINE __m512i round_stochastic_v(__m512 x, __m512i r) {
-  return _mm512_add_epi32(as_i(x), _mm512_and_si512(r, c32(0xFFFFu)));
-}
-// round_stochastic_sum_fast in vector form; lanes that need the exact decision are added to `exact`.
-PB16_INLINE __m512i round_stochastic_sum_v(__m512 a, __m512 b, __m512i r, __mmask16& exact) {
-  const __m512i sb = as_i(_mm512_add_ps(a, b));
-  const __m512i mag = _mm512_and_si512(sb, c32(0x7FFFFFFFu));
-  const __m512i t = _mm512_add_epi32(_mm512_slli_epi32(mag, 16), r);
-  const __mmask16 carry = _mm512_cmplt_epu32_mask(t, r);
-  const __m512i biggest = _mm512_max_epu32(mag, _mm512_and_si512(as_i(a), c32(0x7FFFFFFFu)));
-  exact |= _mm512_cmplt_epu32_mask(_mm512_add_epi32(t, c32(0x20000u)), c32(0x40000u)) |
-           _mm512_cmpge_epu32_mask(biggest, c32(0x7E800000u));
-  // A carry adds one to the magnitude, the sign bit above it unchanged.
-  return _mm512_mask_add_epi32(sb, carry, sb, c32(0x10000u));
-}
-PB16_INLINE __m512i pack16(__m512i a, __m512i b) {
-  return _mm512_packus_epi32(_mm512_srli_epi32(a, 16), _mm512_srli_epi32(b, 16));
-}
-PB16_INLINE void unpack16(const uint16_t* src, __m512& a, __m512& b) {
-  const __m512i x = _mm512_loadu_si512(src);
-  const __m512i zero = _mm512_setzero_si512();
-  a = as_f(_mm512_unpacklo_epi16(zero, x));
-  b = as_f(_mm512_unpackhi_epi16(zero, x));
-}
-
-template <int ROUNDING, bool L2, bool DECOUPLED>
-struct Half {
-  __m512i p_out, m_out, v_out, c_out;
-  __m512 a, delta;  // the exact sum's terms, kept for the exact decision of rare lanes
-};
-
-template <int ROUNDING, bool L2, bool DECOUPLED>
-PB16_INLINE void update_half(Half<ROUNDING, L2, DECOUPLED>& h, __m512 p, __m512 g, __m512 m, __m512 v, __m512 c,
-                             __m512i lo, const Consts& k, __m512i kp, __m512i km, __m512i kv, __mmask16& exact) {
-  if (L2) g = _mm512_add_ps(g, _mm512_mul_ps(p, k.wd));
-  v = _mm512_add_ps(_mm512_mul_ps(v, k.b2), _mm512_mul_ps(_mm512_mul_ps(g, g), k.omb2));
-  m = _mm512_add_ps(_mm512_mul_ps(m, k.b1), _mm512_mul_ps(g, k.omb1));
-  __m512 delta = _mm512_mul_ps(
-      _mm512_div_ps(m, _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), k.inv_bc2), k.eps)), k.neg_step);
-  if (DECOUPLED) delta = _mm512_sub_ps(delta, _mm512_mul_ps(p, k.decay));
-  if (ROUNDING == 0) {
-    h.p_out = round_nearest_v(_mm512_add_ps(p, delta));
-    h.m_out = round_nearest_v(m);
-    h.v_out = round_nearest_v(v);
-    return;
-  }
-  const __m512i rp = mix32v(_mm512_xor_si512(lo, kp));
-  if (ROUNDING == 2) {
-    h.p_out = round_nearest_v(_mm512_add_ps(p, _mm512_add_ps(delta, c)));
-    h.a = _mm512_sub_ps(c, _mm512_sub_ps(widen_high(h.p_out), p));
-    h.c_out = round_stochastic_sum_v(h.a, delta, rp, exact);
-  } else {
-    h.a = p;
-    h.p_out = round_stochastic_sum_v(p, delta, rp, exact);
-  }
-  h.delta = delta;
-  h.m_out = round_stochastic_v(m, mix32v(_mm512_xor_si512(lo, km)));
-  h.v_out = round_stochastic_v(v, mix32v(_mm512_xor_si512(lo, kv)));
-}
-
-// Elements [begin, begin + 32 * steps); returns where it stopped.
-template <int ROUNDING, bool L2, bool DECOUPLED>
-int64_t update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
-                     uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end,
-                     const Scalars& s, uint32_t kp_, uint32_t km_, uint32_t kv_, uint32_t lo_offset) {
-  const Consts k(s);
-  const __m512i kp = c32(kp_), km = c32(km_), kv = c32(kv_);
-  int64_t i = begin;
-  for (; i + 32 <= end; i += 32) {
-    const __m512i base = c32(static_cast<uint32_t>(i) + lo_offset);
-    const __m512i lo_a = _mm512_add_epi32(base, k.iota_a), lo_b = _mm512_add_epi32(base, k.iota_b);
-    __m512 pa, pb, ga, gb, ma, mb, va, vb, ca = _mm512_setzero_ps(), cb = _mm512_setzero_ps();
-    unpack16(P + i, pa, pb);
-    unpack16(G + i, ga, gb);
-    unpack16(M + i, ma, mb);
-    unpack16(V + i, va, vb);
-    if (ROUNDING == 2) unpack16(C + i, ca, cb);
-    Half<ROUNDING, L2, DECOUPLED> ha, hb;
-    __mmask16 exact_a = 0, exact_b = 0;
-    update_half(ha, pa, ga, ma, va, ca, lo_a, k, kp, km, kv, exact_a);
-    update_half(hb, pb, gb, mb, vb, cb, lo_b, k, kp, km, kv, exact_b);
-    _mm512_storeu_si512(P + i, pack16(ha.p_out, hb.p_out));
-    _mm512_storeu_si512(M + i, pack16(ha.m_out, hb.m_out));
-    _mm512_storeu_si512(V + i, pack16(ha.v_out, hb.v_out));
-    if (ROUNDING == 2) _mm512_storeu_si512(C + i, pack16(ha.c_out, hb.c_out));
-    if (ROUNDING != 0 && (exact_a | exact_b) != 0) {
-      // Rare: decide these 32 elements with the exact sum.
-      alignas(64) float a[32], d[32];
-      alignas(64) uint32_t idx[32];
-      _mm512_store_ps(a, ha.a);
-      _mm512_store_ps(a + 16, hb.a);
-      _mm512_store_ps(d, ha.delta);
-      _mm512_store_ps(d + 16, hb.delta);
-      _mm512_store_si512(idx, k.iota_a);
-      _mm512_store_si512(idx + 16, k.iota_b);
-      uint16_t* target = ROUNDING == 2 ? C + i : P + i;
-      for (int j = 0; j < 32; ++j) {
-        const uint32_t lo = static_cast<uint32_t>(i) + lo_offset + idx[j];
-        target[idx[j]] = round_stochastic_sum(a[j], d[j], mix32(lo ^ kp_));
-      }
-    }
-  }
-  return i;
-}
-}  // namespace avx512
-#endif
-
 constexpr int64_t CHUNK = 64;
 
+// The portable loop: chunks of CHUNK elements the compiler vectorizes, each followed by the exact decision of its
+// parameter (or Kahan remainder) where a rare element needs it.
 template <int ROUNDING, bool L2, bool DECOUPLED>
-void update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
-                  uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end, const Scalars& s,
-                  uint32_t kp, uint32_t km, uint32_t kv, uint32_t lo_offset) {
-#ifdef PB16_AVX512
-  if (vector_loops)
-    begin = avx512::update_block<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, end, s, kp, km, kv, lo_offset);
-#endif
+void update_portable(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
+                     uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end, const Scalars& s,
+                     uint32_t kp, uint32_t km, uint32_t kv, uint32_t lo_offset) {
   alignas(64) float abuf[CHUNK];
   alignas(64) float bbuf[CHUNK];
   for (int64_t c0 = begin; c0 < end; c0 += CHUNK) {
@@ -325,6 +178,153 @@ void update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint
         target[j] = round_stochastic_sum(abuf[j], bbuf[j], mix32((lo0 + static_cast<uint32_t>(j)) ^ kp));
     }
   }
+}
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PB16_AVX512 1
+// The loop in AVX-512 registers, 32 elements a step, the same operations as the scalar code lane by lane.
+// Widening: unpacking 32 bf16 words with zeros puts each word in the high half of a 32-bit lane (a float), in two
+// vectors holding elements {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} (unpacks work per 128-bit
+// lane); packing the high halves of the two results back (a shift and an unsigned-saturating pack per 128-bit lane)
+// restores the memory order. The index of each lane (its random bits) follows the same order.
+namespace avx512 {
+struct Consts {
+  __m512 b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
+  __m512i iota_a, iota_b;
+  explicit Consts(const Scalars& s)
+      : b1(_mm512_set1_ps(s.b1)), omb1(_mm512_set1_ps(s.omb1)), b2(_mm512_set1_ps(s.b2)),
+        omb2(_mm512_set1_ps(s.omb2)), eps(_mm512_set1_ps(s.eps)), wd(_mm512_set1_ps(s.wd)),
+        decay(_mm512_set1_ps(s.decay)), neg_step(_mm512_set1_ps(s.neg_step)), inv_bc2(_mm512_set1_ps(s.inv_bc2)),
+        iota_a(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)),
+        iota_b(_mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)) {}
+};
+PB16_INLINE __m512i c32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+PB16_INLINE __m512i mix32v(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT1));
+  x = _mm512_mullo_epi32(x, c32(MIX_MUL1));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT2));
+  x = _mm512_mullo_epi32(x, c32(MIX_MUL2));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT3));
+}
+PB16_INLINE __m512 as_f(__m512i x) { return _mm512_castsi512_ps(x); }
+PB16_INLINE __m512i as_i(__m512 x) { return _mm512_castps_si512(x); }
+// Returns 32-bit lanes whose high halves are the bf16 results (the low halves are discarded by pack16).
+PB16_INLINE __m512i round_nearest_v(__m512 x) {
+  const __m512i b = as_i(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), c32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, c32(0x7FFFu)), odd);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, c32(0x7FFFFFFFu)), c32(0x7F800000u));
+  return _mm512_mask_or_epi32(rounded, nan, b, c32(0x00400000u));
+}
+PB16_INLINE __m512 widen_high(__m512i x) { return as_f(_mm512_and_si512(x, c32(0xFFFF0000u))); }
+PB16_INLINE __m512i round_stochastic_v(__m512 x, __m512i r) {
+  return _mm512_add_epi32(as_i(x), _mm512_and_si512(r, c32(0xFFFFu)));
+}
+// round_stochastic_sum_fast in vector form; lanes that need the exact decision are added to `exact`.
+PB16_INLINE __m512i round_stochastic_sum_v(__m512 a, __m512 b, __m512i r, __mmask16& exact) {
+  const __m512i sb = as_i(_mm512_add_ps(a, b));
+  // The float32 sum's 16 discarded bits plus 32 random bits carry into the kept half exactly when the discarded
+  // bits plus the random bits' high half do: a carry out of the low halves alone is impossible.
+  const __m512i u = _mm512_add_epi32(sb, _mm512_srli_epi32(r, 16));
+  // Within 2**17 of a carry: the discarded bits plus the high random half (mod 2**16) within 2 of zero.
+  const __mmask16 near = _mm512_testn_epi32_mask(_mm512_add_epi32(u, c32(2)), c32(0xFFFCu));
+  // |s| or |a| at or above 2**126 (or not finite): tested on the OR of the two magnitudes, which is at least the
+  // larger one (a rare false alarm costs an exact decision, never a wrong one).
+  const __m512i either = _mm512_ternarylogic_epi32(sb, as_i(a), c32(0x7FFFFFFFu), 0xA8);  // (sb | a) & mask
+  exact |= near | _mm512_cmpge_epu32_mask(either, c32(0x7E800000u));
+  return u;
+}
+PB16_INLINE __m512i pack16(__m512i a, __m512i b) {
+  return _mm512_packus_epi32(_mm512_srli_epi32(a, 16), _mm512_srli_epi32(b, 16));
+}
+PB16_INLINE void unpack16(const uint16_t* src, __m512& a, __m512& b) {
+  const __m512i x = _mm512_loadu_si512(src);
+  const __m512i zero = _mm512_setzero_si512();
+  a = as_f(_mm512_unpacklo_epi16(zero, x));
+  b = as_f(_mm512_unpackhi_epi16(zero, x));
+}
+
+struct Half {
+  __m512i p_out, m_out, v_out, c_out;
+};
+
+template <int ROUNDING, bool L2, bool DECOUPLED>
+PB16_INLINE void update_half(Half& h, __m512 p, __m512 g, __m512 m, __m512 v, __m512 c,
+                             __m512i lo, const Consts& k, __m512i kp, __m512i km, __m512i kv, __mmask16& exact) {
+  if (L2) g = _mm512_add_ps(g, _mm512_mul_ps(p, k.wd));
+  v = _mm512_add_ps(_mm512_mul_ps(v, k.b2), _mm512_mul_ps(_mm512_mul_ps(g, g), k.omb2));
+  m = _mm512_add_ps(_mm512_mul_ps(m, k.b1), _mm512_mul_ps(g, k.omb1));
+  __m512 delta = _mm512_mul_ps(
+      _mm512_div_ps(m, _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), k.inv_bc2), k.eps)), k.neg_step);
+  if (DECOUPLED) delta = _mm512_sub_ps(delta, _mm512_mul_ps(p, k.decay));
+  if (ROUNDING == 0) {
+    h.p_out = round_nearest_v(_mm512_add_ps(p, delta));
+    h.m_out = round_nearest_v(m);
+    h.v_out = round_nearest_v(v);
+    return;
+  }
+  const __m512i rp = mix32v(_mm512_xor_si512(lo, kp));
+  if (ROUNDING == 2) {
+    // Round to nearest without the NaN case: a NaN here (its low 16 bits are zero, as every input is bf16 or a NaN
+    // the CPU made, so the rounding keeps it a NaN) makes the remainder's sum below a NaN, and the group goes to the
+    // portable loop, as for an inf.
+    const __m512i pc = as_i(_mm512_add_ps(p, _mm512_add_ps(delta, c)));
+    h.p_out = _mm512_add_epi32(_mm512_add_epi32(pc, c32(0x7FFFu)), _mm512_and_si512(_mm512_srli_epi32(pc, 16), c32(1)));
+    h.c_out = round_stochastic_sum_v(_mm512_sub_ps(c, _mm512_sub_ps(widen_high(h.p_out), p)), delta, rp, exact);
+  } else {
+    h.p_out = round_stochastic_sum_v(p, delta, rp, exact);
+  }
+  h.m_out = round_stochastic_v(m, mix32v(_mm512_xor_si512(lo, km)));
+  h.v_out = round_stochastic_v(v, mix32v(_mm512_xor_si512(lo, kv)));
+}
+
+// Elements [begin, begin + 32 * steps); returns where it stopped.
+template <int ROUNDING, bool L2, bool DECOUPLED>
+int64_t update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
+                     uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end,
+                     const Scalars& s, uint32_t kp_, uint32_t km_, uint32_t kv_, uint32_t lo_offset) {
+  const Consts k(s);
+  const __m512i kp = c32(kp_), km = c32(km_), kv = c32(kv_);
+  int64_t i = begin;
+  for (; i + 32 <= end; i += 32) {
+    const __m512i base = c32(static_cast<uint32_t>(i) + lo_offset);
+    const __m512i lo_a = _mm512_add_epi32(base, k.iota_a), lo_b = _mm512_add_epi32(base, k.iota_b);
+    __m512 pa, pb, ga, gb, ma, mb, va, vb, ca = _mm512_setzero_ps(), cb = _mm512_setzero_ps();
+    unpack16(P + i, pa, pb);
+    unpack16(G + i, ga, gb);
+    unpack16(M + i, ma, mb);
+    unpack16(V + i, va, vb);
+    if (ROUNDING == 2) unpack16(C + i, ca, cb);
+    Half ha, hb;
+    __mmask16 exact_a = 0, exact_b = 0;
+    update_half<ROUNDING, L2, DECOUPLED>(ha, pa, ga, ma, va, ca, lo_a, k, kp, km, kv, exact_a);
+    update_half<ROUNDING, L2, DECOUPLED>(hb, pb, gb, mb, vb, cb, lo_b, k, kp, km, kv, exact_b);
+    if (ROUNDING != 0 && (exact_a | exact_b) != 0) {
+      // Rare (1 in 2**14 elements): these 32 go through the portable loop, which decides them with the exact sum.
+      update_portable<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, i, i + 32, s, kp_, km_, kv_, lo_offset);
+      continue;
+    }
+    _mm512_storeu_si512(P + i, pack16(ha.p_out, hb.p_out));
+    _mm512_storeu_si512(M + i, pack16(ha.m_out, hb.m_out));
+    _mm512_storeu_si512(V + i, pack16(ha.v_out, hb.v_out));
+    if (ROUNDING == 2) _mm512_storeu_si512(C + i, pack16(ha.c_out, hb.c_out));
+  }
+  return i;
+}
+}  // namespace avx512
+#endif
+
+// One block of elements sharing the high 32 bits of their index; ROUNDING: 0 nearest, 1 stochastic, 2 Kahan.
+template <int ROUNDING, bool L2, bool DECOUPLED>
+void update_block(uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16_t* C, int64_t begin, int64_t end,
+                  const Scalars& s, uint32_t kp, uint32_t km, uint32_t kv, uint32_t lo_offset) {
+#ifdef PB16_AVX512
+  if (vector_loops)
+    begin = avx512::update_block<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, end, s, kp, km, kv, lo_offset);
+#endif
+  update_portable<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, end, s, kp, km, kv, lo_offset);
 }
 
 template <int ROUNDING, bool L2, bool DECOUPLED>
