@@ -181,148 +181,248 @@ void update_portable(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, u
 }
 
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 #include <immintrin.h>
-#define PB16_AVX512 1
-// The loop in AVX-512 registers, 32 elements a step, the same operations as the scalar code lane by lane.
-// Widening: unpacking 32 bf16 words with zeros puts each word in the high half of a 32-bit lane (a float), in two
-// vectors holding elements {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} (unpacks work per 128-bit
-// lane); packing the high halves of the two results back (a shift and an unsigned-saturating pack per 128-bit lane)
-// restores the memory order. The index of each lane (its random bits) follows the same order.
-namespace avx512 {
-struct Consts {
-  __m512 b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
-  __m512i iota_a, iota_b;
-  explicit Consts(const Scalars& s)
-      : b1(_mm512_set1_ps(s.b1)), omb1(_mm512_set1_ps(s.omb1)), b2(_mm512_set1_ps(s.b2)),
-        omb2(_mm512_set1_ps(s.omb2)), eps(_mm512_set1_ps(s.eps)), wd(_mm512_set1_ps(s.wd)),
-        decay(_mm512_set1_ps(s.decay)), neg_step(_mm512_set1_ps(s.neg_step)), inv_bc2(_mm512_set1_ps(s.inv_bc2)),
-        iota_a(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)),
-        iota_b(_mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)) {}
+#define PB16_SIMD 1
+// The loop in vector registers, 2 x LANES elements a step, the same operations as the scalar code lane by lane, for
+// AVX-512 and for AVX2 (one loop, two sets of instructions). Widening: unpacking bf16 words with zeros puts each word
+// in the high half of a 32-bit lane (a float), in two vectors holding elements {0-3, 8-11, ...} and {4-7, 12-15, ...}
+// (unpacks work per 128-bit lane); packing the high halves of the two results back (a shift and an
+// unsigned-saturating pack per 128-bit lane) restores the memory order. The index of each lane (its random bits)
+// follows the same order.
+namespace simd {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Avx512 {
+  static constexpr int LANES = 16;
+  using F = __m512;
+  using I = __m512i;
+  using Mask = __mmask16;
+  static PB16_INLINE F fset(float x) { return _mm512_set1_ps(x); }
+  static PB16_INLINE I iset(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static PB16_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static PB16_INLINE F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static PB16_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static PB16_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static PB16_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static PB16_INLINE F as_f(I x) { return _mm512_castsi512_ps(x); }
+  static PB16_INLINE I as_i(F x) { return _mm512_castps_si512(x); }
+  static PB16_INLINE I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static PB16_INLINE I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static PB16_INLINE I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static PB16_INLINE I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  template <int N>
+  static PB16_INLINE I srli(I a) { return _mm512_srli_epi32(a, N); }
+  static PB16_INLINE I iota_a() { return _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27); }
+  static PB16_INLINE I iota_b() { return iadd(iota_a(), iset(4)); }
+  static PB16_INLINE void unpack16(const uint16_t* src, F& a, F& b) {
+    const I x = _mm512_loadu_si512(src), zero = _mm512_setzero_si512();
+    a = as_f(_mm512_unpacklo_epi16(zero, x));
+    b = as_f(_mm512_unpackhi_epi16(zero, x));
+  }
+  static PB16_INLINE void pack16(uint16_t* dst, I a, I b) {
+    _mm512_storeu_si512(dst, _mm512_packus_epi32(srli<16>(a), srli<16>(b)));
+  }
+  static PB16_INLINE Mask none() { return 0; }
+  static PB16_INLINE Mask either(Mask a, Mask b) { return a | b; }
+  static PB16_INLINE bool any(Mask m) { return m != 0; }
+  // ((x & y) == 0) per lane.
+  static PB16_INLINE Mask zero_and(I x, I y) { return _mm512_testn_epi32_mask(x, y); }
+  // x >= y per lane, both below 2**31.
+  static PB16_INLINE Mask at_least(I x, I y) { return _mm512_cmpge_epu32_mask(x, y); }
+  // (a | b) & m
+  static PB16_INLINE I or_and(I a, I b, I m) { return _mm512_ternarylogic_epi32(a, b, m, 0xA8); }
+  static PB16_INLINE I select(Mask m, I yes, I no) { return _mm512_mask_blend_epi32(m, no, yes); }
+  static PB16_INLINE I ior(I a, I b) { return _mm512_or_si512(a, b); }
+  static PB16_INLINE F loadf(const float* x) { return _mm512_loadu_ps(x); }
+  static PB16_INLINE I loadi(const uint32_t* x) { return _mm512_loadu_si512(x); }
+  // The high halves of the lanes, in lane order.
+  static PB16_INLINE void store_high16(uint16_t* dst, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(srli<16>(x)));
+  }
 };
-PB16_INLINE __m512i c32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-PB16_INLINE __m512i mix32v(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT1));
-  x = _mm512_mullo_epi32(x, c32(MIX_MUL1));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT2));
-  x = _mm512_mullo_epi32(x, c32(MIX_MUL2));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, MIX_SHIFT3));
+#endif
+struct Avx2 {
+  static constexpr int LANES = 8;
+  using F = __m256;
+  using I = __m256i;
+  using Mask = __m256i;  // all ones or all zeros per lane
+  static PB16_INLINE F fset(float x) { return _mm256_set1_ps(x); }
+  static PB16_INLINE I iset(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static PB16_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static PB16_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static PB16_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static PB16_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static PB16_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static PB16_INLINE F as_f(I x) { return _mm256_castsi256_ps(x); }
+  static PB16_INLINE I as_i(F x) { return _mm256_castps_si256(x); }
+  static PB16_INLINE I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static PB16_INLINE I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static PB16_INLINE I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static PB16_INLINE I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  template <int N>
+  static PB16_INLINE I srli(I a) { return _mm256_srli_epi32(a, N); }
+  static PB16_INLINE I iota_a() { return _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11); }
+  static PB16_INLINE I iota_b() { return iadd(iota_a(), iset(4)); }
+  static PB16_INLINE void unpack16(const uint16_t* src, F& a, F& b) {
+    const I x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), zero = _mm256_setzero_si256();
+    a = as_f(_mm256_unpacklo_epi16(zero, x));
+    b = as_f(_mm256_unpackhi_epi16(zero, x));
+  }
+  static PB16_INLINE void pack16(uint16_t* dst, I a, I b) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_packus_epi32(srli<16>(a), srli<16>(b)));
+  }
+  static PB16_INLINE Mask none() { return _mm256_setzero_si256(); }
+  static PB16_INLINE Mask either(Mask a, Mask b) { return _mm256_or_si256(a, b); }
+  static PB16_INLINE bool any(Mask m) { return !_mm256_testz_si256(m, m); }
+  static PB16_INLINE Mask zero_and(I x, I y) { return _mm256_cmpeq_epi32(_mm256_and_si256(x, y), none()); }
+  static PB16_INLINE Mask at_least(I x, I y) { return _mm256_cmpgt_epi32(x, _mm256_sub_epi32(y, iset(1))); }
+  static PB16_INLINE I or_and(I a, I b, I m) { return _mm256_and_si256(_mm256_or_si256(a, b), m); }
+  static PB16_INLINE I select(Mask m, I yes, I no) { return _mm256_blendv_epi8(no, yes, m); }
+  static PB16_INLINE I ior(I a, I b) { return _mm256_or_si256(a, b); }
+  static PB16_INLINE F loadf(const float* x) { return _mm256_loadu_ps(x); }
+  static PB16_INLINE I loadi(const uint32_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
+  static PB16_INLINE void store_high16(uint16_t* dst, I x) {
+    const I y = srli<16>(x);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm_packus_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)));
+  }
+};
+
+template <class A>
+PB16_INLINE typename A::I mix32v(typename A::I x) {
+  x = A::ixor(x, A::template srli<MIX_SHIFT1>(x));
+  x = A::imul(x, A::iset(MIX_MUL1));
+  x = A::ixor(x, A::template srli<MIX_SHIFT2>(x));
+  x = A::imul(x, A::iset(MIX_MUL2));
+  return A::ixor(x, A::template srli<MIX_SHIFT3>(x));
 }
-PB16_INLINE __m512 as_f(__m512i x) { return _mm512_castsi512_ps(x); }
-PB16_INLINE __m512i as_i(__m512 x) { return _mm512_castps_si512(x); }
-// Returns 32-bit lanes whose high halves are the bf16 results (the low halves are discarded by pack16).
-PB16_INLINE __m512i round_nearest_v(__m512 x) {
-  const __m512i b = as_i(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), c32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, c32(0x7FFFu)), odd);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, c32(0x7FFFFFFFu)), c32(0x7F800000u));
-  return _mm512_mask_or_epi32(rounded, nan, b, c32(0x00400000u));
+// Lanes whose high halves are the bf16 results (pack16 keeps those). Without NaN: b + 0x7FFF + (b >> 16 & 1).
+template <class A>
+PB16_INLINE typename A::I round_nearest_finite(typename A::I b) {
+  return A::iadd(A::iadd(b, A::iset(0x7FFFu)), A::iand(A::template srli<16>(b), A::iset(1)));
 }
-PB16_INLINE __m512 widen_high(__m512i x) { return as_f(_mm512_and_si512(x, c32(0xFFFF0000u))); }
-PB16_INLINE __m512i round_stochastic_v(__m512 x, __m512i r) {
-  return _mm512_add_epi32(as_i(x), _mm512_and_si512(r, c32(0xFFFFu)));
+template <class A>
+PB16_INLINE typename A::I round_nearest_v(typename A::F x) {
+  const typename A::I b = A::as_i(x);
+  const typename A::I mag = A::iand(b, A::iset(0x7FFFFFFFu));
+  const typename A::Mask nan = A::at_least(mag, A::iset(0x7F800001u));
+  return A::select(nan, A::ior(b, A::iset(0x00400000u)), round_nearest_finite<A>(b));
+}
+template <class A>
+PB16_INLINE typename A::I round_stochastic_v(typename A::F x, typename A::I r) {
+  return A::iadd(A::as_i(x), A::iand(r, A::iset(0xFFFFu)));
 }
 // round_stochastic_sum_fast in vector form; lanes that need the exact decision are added to `exact`.
-PB16_INLINE __m512i round_stochastic_sum_v(__m512 a, __m512 b, __m512i r, __mmask16& exact) {
-  const __m512i sb = as_i(_mm512_add_ps(a, b));
+template <class A>
+PB16_INLINE typename A::I round_stochastic_sum_v(typename A::F a, typename A::F b, typename A::I r,
+                                                 typename A::Mask& exact) {
+  const typename A::I sb = A::as_i(A::add(a, b));
   // The float32 sum's 16 discarded bits plus 32 random bits carry into the kept half exactly when the discarded
   // bits plus the random bits' high half do: a carry out of the low halves alone is impossible.
-  const __m512i u = _mm512_add_epi32(sb, _mm512_srli_epi32(r, 16));
+  const typename A::I u = A::iadd(sb, A::template srli<16>(r));
   // Within 2**17 of a carry: the discarded bits plus the high random half (mod 2**16) within 2 of zero.
-  const __mmask16 near = _mm512_testn_epi32_mask(_mm512_add_epi32(u, c32(2)), c32(0xFFFCu));
+  const typename A::Mask near = A::zero_and(A::iadd(u, A::iset(2)), A::iset(0xFFFCu));
   // |s| or |a| at or above 2**126 (or not finite): tested on the OR of the two magnitudes, which is at least the
   // larger one (a rare false alarm costs an exact decision, never a wrong one).
-  const __m512i either = _mm512_ternarylogic_epi32(sb, as_i(a), c32(0x7FFFFFFFu), 0xA8);  // (sb | a) & mask
-  exact |= near | _mm512_cmpge_epu32_mask(either, c32(0x7E800000u));
+  const typename A::I larger = A::or_and(sb, A::as_i(a), A::iset(0x7FFFFFFFu));
+  exact = A::either(exact, A::either(near, A::at_least(larger, A::iset(0x7E800000u))));
   return u;
 }
-PB16_INLINE __m512i pack16(__m512i a, __m512i b) {
-  return _mm512_packus_epi32(_mm512_srli_epi32(a, 16), _mm512_srli_epi32(b, 16));
-}
-PB16_INLINE void unpack16(const uint16_t* src, __m512& a, __m512& b) {
-  const __m512i x = _mm512_loadu_si512(src);
-  const __m512i zero = _mm512_setzero_si512();
-  a = as_f(_mm512_unpacklo_epi16(zero, x));
-  b = as_f(_mm512_unpackhi_epi16(zero, x));
-}
 
-struct Half {
-  __m512i p_out, m_out, v_out, c_out;
+template <class A>
+struct Step {
+  typename A::F b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
+  typename A::I iota_a, iota_b, kp, km, kv;
+  Step(const Scalars& s, uint32_t kp_, uint32_t km_, uint32_t kv_)
+      : b1(A::fset(s.b1)), omb1(A::fset(s.omb1)), b2(A::fset(s.b2)), omb2(A::fset(s.omb2)), eps(A::fset(s.eps)),
+        wd(A::fset(s.wd)), decay(A::fset(s.decay)), neg_step(A::fset(s.neg_step)), inv_bc2(A::fset(s.inv_bc2)),
+        iota_a(A::iota_a()), iota_b(A::iota_b()), kp(A::iset(kp_)), km(A::iset(km_)), kv(A::iset(kv_)) {}
 };
 
-template <int ROUNDING, bool L2, bool DECOUPLED>
-PB16_INLINE void update_half(Half& h, __m512 p, __m512 g, __m512 m, __m512 v, __m512 c,
-                             __m512i lo, const Consts& k, __m512i kp, __m512i km, __m512i kv, __mmask16& exact) {
-  if (L2) g = _mm512_add_ps(g, _mm512_mul_ps(p, k.wd));
-  v = _mm512_add_ps(_mm512_mul_ps(v, k.b2), _mm512_mul_ps(_mm512_mul_ps(g, g), k.omb2));
-  m = _mm512_add_ps(_mm512_mul_ps(m, k.b1), _mm512_mul_ps(g, k.omb1));
-  __m512 delta = _mm512_mul_ps(
-      _mm512_div_ps(m, _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), k.inv_bc2), k.eps)), k.neg_step);
-  if (DECOUPLED) delta = _mm512_sub_ps(delta, _mm512_mul_ps(p, k.decay));
+template <class A>
+struct Out {
+  typename A::I p, m, v, c;
+};
+
+template <class A, int ROUNDING, bool L2, bool DECOUPLED>
+PB16_INLINE void update_lanes(Out<A>& o, typename A::F p, typename A::F g, typename A::F m, typename A::F v,
+                              typename A::F c, typename A::I lo, const Step<A>& k, typename A::Mask& exact) {
+  if (L2) g = A::add(g, A::mul(p, k.wd));
+  v = A::add(A::mul(v, k.b2), A::mul(A::mul(g, g), k.omb2));
+  m = A::add(A::mul(m, k.b1), A::mul(g, k.omb1));
+  typename A::F delta = A::mul(A::div(m, A::add(A::mul(A::sqrt(v), k.inv_bc2), k.eps)), k.neg_step);
+  if (DECOUPLED) delta = A::sub(delta, A::mul(p, k.decay));
   if (ROUNDING == 0) {
-    h.p_out = round_nearest_v(_mm512_add_ps(p, delta));
-    h.m_out = round_nearest_v(m);
-    h.v_out = round_nearest_v(v);
+    o.p = round_nearest_v<A>(A::add(p, delta));
+    o.m = round_nearest_v<A>(m);
+    o.v = round_nearest_v<A>(v);
     return;
   }
-  const __m512i rp = mix32v(_mm512_xor_si512(lo, kp));
+  const typename A::I rp = mix32v<A>(A::ixor(lo, k.kp));
   if (ROUNDING == 2) {
     // Round to nearest without the NaN case: a NaN here (its low 16 bits are zero, as every input is bf16 or a NaN
     // the CPU made, so the rounding keeps it a NaN) makes the remainder's sum below a NaN, and the group goes to the
     // portable loop, as for an inf.
-    const __m512i pc = as_i(_mm512_add_ps(p, _mm512_add_ps(delta, c)));
-    h.p_out = _mm512_add_epi32(_mm512_add_epi32(pc, c32(0x7FFFu)), _mm512_and_si512(_mm512_srli_epi32(pc, 16), c32(1)));
-    h.c_out = round_stochastic_sum_v(_mm512_sub_ps(c, _mm512_sub_ps(widen_high(h.p_out), p)), delta, rp, exact);
+    o.p = round_nearest_finite<A>(A::as_i(A::add(p, A::add(delta, c))));
+    const typename A::F widened = A::as_f(A::iand(o.p, A::iset(0xFFFF0000u)));
+    o.c = round_stochastic_sum_v<A>(A::sub(c, A::sub(widened, p)), delta, rp, exact);
   } else {
-    h.p_out = round_stochastic_sum_v(p, delta, rp, exact);
+    o.p = round_stochastic_sum_v<A>(p, delta, rp, exact);
   }
-  h.m_out = round_stochastic_v(m, mix32v(_mm512_xor_si512(lo, km)));
-  h.v_out = round_stochastic_v(v, mix32v(_mm512_xor_si512(lo, kv)));
+  o.m = round_stochastic_v<A>(m, mix32v<A>(A::ixor(lo, k.km)));
+  o.v = round_stochastic_v<A>(v, mix32v<A>(A::ixor(lo, k.kv)));
 }
 
-// Elements [begin, begin + 32 * steps); returns where it stopped.
-template <int ROUNDING, bool L2, bool DECOUPLED>
+// Elements [begin, begin + 2 * LANES * steps); returns where it stopped (the portable loop does the rest).
+template <class A, int ROUNDING, bool L2, bool DECOUPLED>
 int64_t update_block(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, uint16_t* __restrict__ M,
                      uint16_t* __restrict__ V, uint16_t* __restrict__ C, int64_t begin, int64_t end,
-                     const Scalars& s, uint32_t kp_, uint32_t km_, uint32_t kv_, uint32_t lo_offset) {
-  const Consts k(s);
-  const __m512i kp = c32(kp_), km = c32(km_), kv = c32(kv_);
+                     const Scalars& s, uint32_t kp, uint32_t km, uint32_t kv, uint32_t lo_offset) {
+  constexpr int STEP = 2 * A::LANES;
+  const Step<A> k(s, kp, km, kv);
   int64_t i = begin;
-  for (; i + 32 <= end; i += 32) {
-    const __m512i base = c32(static_cast<uint32_t>(i) + lo_offset);
-    const __m512i lo_a = _mm512_add_epi32(base, k.iota_a), lo_b = _mm512_add_epi32(base, k.iota_b);
-    __m512 pa, pb, ga, gb, ma, mb, va, vb, ca = _mm512_setzero_ps(), cb = _mm512_setzero_ps();
-    unpack16(P + i, pa, pb);
-    unpack16(G + i, ga, gb);
-    unpack16(M + i, ma, mb);
-    unpack16(V + i, va, vb);
-    if (ROUNDING == 2) unpack16(C + i, ca, cb);
-    Half ha, hb;
-    __mmask16 exact_a = 0, exact_b = 0;
-    update_half<ROUNDING, L2, DECOUPLED>(ha, pa, ga, ma, va, ca, lo_a, k, kp, km, kv, exact_a);
-    update_half<ROUNDING, L2, DECOUPLED>(hb, pb, gb, mb, vb, cb, lo_b, k, kp, km, kv, exact_b);
-    if (ROUNDING != 0 && (exact_a | exact_b) != 0) {
-      // Rare (1 in 2**14 elements): these 32 go through the portable loop, which decides them with the exact sum.
-      update_portable<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, i, i + 32, s, kp_, km_, kv_, lo_offset);
+  for (; i + STEP <= end; i += STEP) {
+    const typename A::I base = A::iset(static_cast<uint32_t>(i) + lo_offset);
+    typename A::F pa, pb, ga, gb, ma, mb, va, vb, ca = A::fset(0.0f), cb = A::fset(0.0f);
+    A::unpack16(P + i, pa, pb);
+    A::unpack16(G + i, ga, gb);
+    A::unpack16(M + i, ma, mb);
+    A::unpack16(V + i, va, vb);
+    if (ROUNDING == 2) A::unpack16(C + i, ca, cb);
+    Out<A> oa, ob;
+    typename A::Mask exact = A::none();
+    update_lanes<A, ROUNDING, L2, DECOUPLED>(oa, pa, ga, ma, va, ca, A::iadd(base, k.iota_a), k, exact);
+    update_lanes<A, ROUNDING, L2, DECOUPLED>(ob, pb, gb, mb, vb, cb, A::iadd(base, k.iota_b), k, exact);
+    if (ROUNDING != 0 && A::any(exact)) {
+      // Rare (1 in 2**14 elements): this step's elements go through the portable loop, which decides them with
+      // the exact sum.
+      update_portable<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, i, i + STEP, s, kp, km, kv, lo_offset);
       continue;
     }
-    _mm512_storeu_si512(P + i, pack16(ha.p_out, hb.p_out));
-    _mm512_storeu_si512(M + i, pack16(ha.m_out, hb.m_out));
-    _mm512_storeu_si512(V + i, pack16(ha.v_out, hb.v_out));
-    if (ROUNDING == 2) _mm512_storeu_si512(C + i, pack16(ha.c_out, hb.c_out));
+    A::pack16(P + i, oa.p, ob.p);
+    A::pack16(M + i, oa.m, ob.m);
+    A::pack16(V + i, oa.v, ob.v);
+    if (ROUNDING == 2) A::pack16(C + i, oa.c, ob.c);
   }
   return i;
 }
-}  // namespace avx512
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using Best = Avx512;
+#else
+using Best = Avx2;
+#endif
+}  // namespace simd
 #endif
 
 // One block of elements sharing the high 32 bits of their index; ROUNDING: 0 nearest, 1 stochastic, 2 Kahan.
 template <int ROUNDING, bool L2, bool DECOUPLED>
 void update_block(uint16_t* P, const uint16_t* G, uint16_t* M, uint16_t* V, uint16_t* C, int64_t begin, int64_t end,
                   const Scalars& s, uint32_t kp, uint32_t km, uint32_t kv, uint32_t lo_offset) {
-#ifdef PB16_AVX512
+#ifdef PB16_SIMD
   if (vector_loops)
-    begin = avx512::update_block<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, end, s, kp, km, kv, lo_offset);
+    begin = simd::update_block<simd::Best, ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, end, s, kp, km, kv,
+                                                                    lo_offset);
 #endif
   update_portable<ROUNDING, L2, DECOUPLED>(P, G, M, V, C, begin, end, s, kp, km, kv, lo_offset);
 }
@@ -590,14 +690,14 @@ torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch:
   const uint32_t* R = reinterpret_cast<const uint32_t*>(bits.data_ptr());
   uint16_t* O = reinterpret_cast<uint16_t*>(out.data_ptr());
   int64_t i = 0;
-#ifdef PB16_AVX512
-  for (; vector_loops && i + 16 <= n; i += 16) {
-    __mmask16 exact = 0;
-    const __m512i r = _mm512_loadu_si512(R + i);
-    const __m512i res = avx512::round_stochastic_sum_v(_mm512_loadu_ps(A + i), _mm512_loadu_ps(B + i), r, exact);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(O + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(res, 16)));
-    for (int j = 0; j < 16; ++j)
-      if ((exact >> j) & 1) O[i + j] = round_stochastic_sum(A[i + j], B[i + j], R[i + j]);
+#ifdef PB16_SIMD
+  using S = simd::Best;
+  for (; vector_loops && i + S::LANES <= n; i += S::LANES) {
+    S::Mask exact = S::none();
+    const S::I res = simd::round_stochastic_sum_v<S>(S::loadf(A + i), S::loadf(B + i), S::loadi(R + i), exact);
+    S::store_high16(O + i, res);
+    if (S::any(exact))
+      for (int j = 0; j < S::LANES; ++j) O[i + j] = round_stochastic_sum(A[i + j], B[i + j], R[i + j]);
   }
 #endif
   for (; i < n; i += CHUNK) {
@@ -613,7 +713,7 @@ torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch:
 // Switches the explicit vector loops on or off; returns whether this build has them (tests).
 bool use_vector_loops(bool on) {
   vector_loops = on;
-#ifdef PB16_AVX512
+#ifdef PB16_SIMD
   return true;
 #else
   return false;
@@ -709,7 +809,7 @@ def fused_cpu_available() -> bool:
         for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
             try:
                 _extension = load_inline(
-                    name=f"lightning_pure_bf16_adamw_cpu_v18_{capability.lower()}{suffix}",
+                    name=f"lightning_pure_bf16_adamw_cpu_v19_{capability.lower()}{suffix}",
                     cpp_sources=[_source()],
                     functions=[
                         "adamw_update_bf16",
