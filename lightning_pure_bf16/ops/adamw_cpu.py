@@ -5,6 +5,12 @@ A small C++ function, compiled on first use with ``torch.utils.cpp_extension`` (
 without them the optimizer falls back to the chunked PyTorch path, with a warning). It performs exactly the PyTorch
 path's float32 operations in the same order, with fused multiply-add contraction off, and draws the same random bits
 (``ops.rng``), so the two give identical results bit for bit. bf16 parameters and gradients only.
+
+The bf16-state loop runs in explicit AVX-512 or AVX2 vector code where the build targets them (one template, two sets
+of instructions) and in a portable loop the compiler vectorizes elsewhere; ``use_vector_loops(False)`` switches the
+vector code off (tests). Both decide the stochastic rounding of the exact sum ``p + update`` from the float32 sum's
+discarded bits plus the random bits, and hand the rare elements whose decision the sum's rounding error could change
+(within 2**17 of a carry: one in 2**14) to the exact computation, so the bits stay the PyTorch path's.
 """
 
 from __future__ import annotations
