@@ -334,11 +334,11 @@ class StateStreamer:
         self.divisors = [divisor for _, divisor in specs]
         cuda = device.type == "cuda"
         self.in_place = device.type == "cpu"
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_read")
+        self.writer: ThreadPoolExecutor | None = None
         if self.in_place:
             self.host = self.dev = []
             self.copy_stream = None
-            self.reader = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_read")
-            self.writer = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_write")
             return
         # Pinned host slots: host-device copies run asynchronously, at full bus speed.
         self.host = [
@@ -350,12 +350,12 @@ class StateStreamer:
             else self.host
         )
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_write")
 
     def close(self) -> None:
         self.reader.shutdown(wait=True)
-        self.writer.shutdown(wait=True)
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
         if self.copy_stream is not None:
             # No copy may still use the slots when their memory goes back to the allocator.
             self.copy_stream.synchronize()
@@ -433,6 +433,7 @@ class StateStreamer:
                             h[: d.numel()].copy_(d, non_blocking=True)
                         done = torch.cuda.Event()
                         done.record(self.copy_stream)
+                assert self.writer is not None  # the slot pipeline has its writer thread
                 writes[i] = self.writer.submit(store, i, slot, done)
             for i in sorted(writes):
                 writes.pop(i).result()
