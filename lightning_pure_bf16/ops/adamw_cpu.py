@@ -101,21 +101,20 @@ PB16_INLINE uint16_t round_nearest(float x) {
   return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);  // a select, not a branch: the loop vectorizes
 }
 
-// Stochastic rounding of the exact sum a + b, the common case: the carry out of the 16 discarded bits of the float32
-// sum plus 32 random bits. TwoSum's error e moves that sum by at most 2**16 units (|e| <= half a float32 ulp of s, in
-// units of 2**-16 float32 ulp, doubled below a power of two), so it can change the carry only when the sum lies within
-// 2**16 of a carry boundary; `exact` is set for those (one in 2**14 elements, by the random bits) and for sums near the
-// float32 range limit, whose TwoSum steps may overflow, and round_stochastic_sum decides them.
+// Stochastic rounding of the exact sum a + b, the common case (the vector loops do the same lane by lane). The float32
+// sum's 16 discarded bits plus the random bits' high half carry into the kept half exactly when the discarded bits
+// plus all 32 random bits do (the low halves alone cannot carry), so one add rounds. TwoSum's error e would move that
+// sum by at most 2**16 units of 2**-32 bf16 ulp (|e| <= half a float32 ulp of s, doubled below a power of two), which
+// changes the carry only within 2**16 of a carry boundary: `exact` is set within 2**17 (the discarded bits plus the
+// high random half within 2 of zero mod 2**16, one element in 2**14 by the random bits) and for |s| or |a| at or above
+// 2**126 or not finite (TwoSum's steps may overflow; tested on the OR of the magnitudes, at least the larger one, so
+// a rare false alarm costs an exact decision, never a wrong one), and round_stochastic_sum decides those.
 PB16_INLINE uint16_t round_stochastic_sum_fast(float a, float b, uint32_t r, uint32_t& exact) {
   const uint32_t sb = bits_of(a + b);
-  const uint32_t mag = sb & 0x7FFFFFFFu;
-  const uint32_t t = (mag << 16) + r;
-  const uint32_t carry = static_cast<uint32_t>(t < r);
-  exact |= static_cast<uint32_t>((t + 0x20000u) < 0x40000u) |
-           static_cast<uint32_t>(std::max(mag, bits_of(a) & 0x7FFFFFFFu) >= 0x7E800000u);
-  const uint32_t kept = mag >> 16;
-  const uint32_t special = kept | (static_cast<uint32_t>(mag > 0x7F800000u) << 6);  // inf stays inf, NaN quiet
-  return static_cast<uint16_t>((mag < 0x7F800000u ? kept + carry : special) | ((sb >> 16) & 0x8000u));
+  const uint32_t u = sb + (r >> 16);
+  exact |= static_cast<uint32_t>(((u + 2u) & 0xFFFCu) == 0u) |
+           static_cast<uint32_t>(((sb | bits_of(a)) & 0x7FFFFFFFu) >= 0x7E800000u);
+  return static_cast<uint16_t>(u >> 16);
 }
 
 }  // namespace
@@ -318,18 +317,14 @@ template <class A>
 PB16_INLINE typename A::I round_stochastic_v(typename A::F x, typename A::I r) {
   return A::iadd(A::as_i(x), A::iand(r, A::iset(0xFFFFu)));
 }
-// round_stochastic_sum_fast in vector form; lanes that need the exact decision are added to `exact`.
+// round_stochastic_sum_fast in vector form (its comment explains the decision); lanes that need the exact one are
+// added to `exact`.
 template <class A>
 PB16_INLINE typename A::I round_stochastic_sum_v(typename A::F a, typename A::F b, typename A::I r,
                                                  typename A::Mask& exact) {
   const typename A::I sb = A::as_i(A::add(a, b));
-  // The float32 sum's 16 discarded bits plus 32 random bits carry into the kept half exactly when the discarded
-  // bits plus the random bits' high half do: a carry out of the low halves alone is impossible.
   const typename A::I u = A::iadd(sb, A::template srli<16>(r));
-  // Within 2**17 of a carry: the discarded bits plus the high random half (mod 2**16) within 2 of zero.
   const typename A::Mask near = A::zero_and(A::iadd(u, A::iset(2)), A::iset(0xFFFCu));
-  // |s| or |a| at or above 2**126 (or not finite): tested on the OR of the two magnitudes, which is at least the
-  // larger one (a rare false alarm costs an exact decision, never a wrong one).
   const typename A::I larger = A::or_and(sb, A::as_i(a), A::iset(0x7FFFFFFFu));
   exact = A::either(exact, A::either(near, A::at_least(larger, A::iset(0x7E800000u))));
   return u;
@@ -815,7 +810,7 @@ def fused_cpu_available() -> bool:
         for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
             try:
                 _extension = load_inline(
-                    name=f"lightning_pure_bf16_adamw_cpu_v19_{capability.lower()}{suffix}",
+                    name=f"lightning_pure_bf16_adamw_cpu_v20_{capability.lower()}{suffix}",
                     cpp_sources=[_source()],
                     functions=[
                         "adamw_update_bf16",
