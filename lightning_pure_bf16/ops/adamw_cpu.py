@@ -244,6 +244,44 @@ struct Avx512 {
   static PB16_INLINE void store_high16(uint16_t* dst, I x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(srli<16>(x)));
   }
+  // For the 8-bit loop: elements in memory order, 16 a vector.
+  static PB16_INLINE I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static PB16_INLINE F widen(const uint16_t* src) {
+    return as_f(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))),
+                                  16));
+  }
+  static PB16_INLINE I load_i8(const int8_t* src) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+  static PB16_INLINE I load_u8(const uint8_t* src) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+  // The low bytes of the lanes (a truncating cast, as static_cast<int8_t> of an int32).
+  static PB16_INLINE void store_low8(void* dst, I x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(x));
+  }
+  static PB16_INLINE void storef(float* dst, F x) { _mm512_storeu_ps(dst, x); }
+  static PB16_INLINE F cvt_f(I x) { return _mm512_cvtepi32_ps(x); }
+  static PB16_INLINE I cvtt_i(F x) { return _mm512_cvttps_epi32(x); }
+  static PB16_INLINE F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static PB16_INLINE F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  // min/max return the second operand where either is a NaN.
+  static PB16_INLINE F fmin(F a, F b) { return _mm512_min_ps(a, b); }
+  static PB16_INLINE F fmax(F a, F b) { return _mm512_max_ps(a, b); }
+  static PB16_INLINE F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static PB16_INLINE Mask lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static PB16_INLINE F selectf(Mask m, F yes, F no) { return _mm512_mask_blend_ps(m, no, yes); }
+  static PB16_INLINE I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static PB16_INLINE I iabs(I a) { return _mm512_abs_epi32(a); }
+  static PB16_INLINE I imin(I a, I b) { return _mm512_min_epi32(a, b); }
+  static PB16_INLINE I imax(I a, I b) { return _mm512_max_epi32(a, b); }
+  static PB16_INLINE I umax(I a, I b) { return _mm512_max_epu32(a, b); }
+  static PB16_INLINE uint32_t hmax(I a) { return _mm512_reduce_max_epu32(a); }
+  static PB16_INLINE I sllv(I a, I n) { return _mm512_sllv_epi32(a, n); }
+  template <int N>
+  static PB16_INLINE I slli(I a) { return _mm512_slli_epi32(a, N); }
+  static PB16_INLINE I add_one_where(Mask m, I x) { return _mm512_mask_add_epi32(x, m, x, iset(1)); }
+  static PB16_INLINE I negate_where(Mask m, I x) { return _mm512_mask_sub_epi32(x, m, _mm512_setzero_si512(), x); }
 };
 #endif
 struct Avx2 {
@@ -290,6 +328,51 @@ struct Avx2 {
     const I y = srli<16>(x);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
                      _mm_packus_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)));
+  }
+  static PB16_INLINE I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static PB16_INLINE F widen(const uint16_t* src) {
+    return as_f(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
+  }
+  static PB16_INLINE I load_i8(const int8_t* src) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  }
+  static PB16_INLINE I load_u8(const uint8_t* src) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  }
+  static PB16_INLINE void store_low8(void* dst, I x) {
+    // The low byte of each 32-bit lane to the front of its 128-bit lane, then the two groups of 4 side by side.
+    const I bytes = _mm256_shuffle_epi8(x, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                            -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                            -1, -1));
+    const I packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+  }
+  static PB16_INLINE void storef(float* dst, F x) { _mm256_storeu_ps(dst, x); }
+  static PB16_INLINE F cvt_f(I x) { return _mm256_cvtepi32_ps(x); }
+  static PB16_INLINE I cvtt_i(F x) { return _mm256_cvttps_epi32(x); }
+  static PB16_INLINE F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static PB16_INLINE F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static PB16_INLINE F fmin(F a, F b) { return _mm256_min_ps(a, b); }
+  static PB16_INLINE F fmax(F a, F b) { return _mm256_max_ps(a, b); }
+  static PB16_INLINE F floor(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static PB16_INLINE Mask lt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+  static PB16_INLINE F selectf(Mask m, F yes, F no) { return _mm256_blendv_ps(no, yes, _mm256_castsi256_ps(m)); }
+  static PB16_INLINE I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static PB16_INLINE I iabs(I a) { return _mm256_abs_epi32(a); }
+  static PB16_INLINE I imin(I a, I b) { return _mm256_min_epi32(a, b); }
+  static PB16_INLINE I imax(I a, I b) { return _mm256_max_epi32(a, b); }
+  static PB16_INLINE I umax(I a, I b) { return _mm256_max_epu32(a, b); }
+  static PB16_INLINE uint32_t hmax(I a) {
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a);
+    return *std::max_element(lanes, lanes + 8);
+  }
+  static PB16_INLINE I sllv(I a, I n) { return _mm256_sllv_epi32(a, n); }
+  template <int N>
+  static PB16_INLINE I slli(I a) { return _mm256_slli_epi32(a, N); }
+  static PB16_INLINE I add_one_where(Mask m, I x) { return _mm256_sub_epi32(x, m); }  // m is -1 where set
+  static PB16_INLINE I negate_where(Mask m, I x) {
+    return _mm256_blendv_epi8(x, _mm256_sub_epi32(_mm256_setzero_si256(), x), m);
   }
 };
 
@@ -498,110 +581,315 @@ PB16_INLINE int8_t encode_residual(float c, uint16_t p_out, uint32_t r) {
 
 constexpr int64_t QBLOCK = 128;
 
-// Blocks of QBLOCK elements [qb_begin, qb_end): moments bf16 (MT = VT = uint16_t) or 8-bit (int8_t, uint8_t), the
-// Kahan remainder bf16 (CT = uint16_t) or 8-bit (int8_t). Each block is decoded and updated (the parameter written),
-// then its new scales found and its moments encoded. Typed restrict pointers: no aliasing for the compiler to fear.
+// Keys of the random bits of one block (its elements share the high word of their index).
+struct BlockKeys {
+  uint32_t lo0, kp, km, kv;
+};
+
+// Scratch of one block: the new moments before encoding, the exact-sum operands of the rare exact decisions.
+struct BlockBuffers {
+  alignas(64) float m[QBLOCK];
+  alignas(64) float v[QBLOCK];
+  alignas(64) float a[QBLOCK];
+  alignas(64) float d[QBLOCK];
+};
+
+// One block of `count` (<= QBLOCK) elements: moments bf16 (MT = VT = uint16_t) or 8-bit (int8_t, uint8_t), the Kahan
+// remainder bf16 (CT = uint16_t) or 8-bit (int8_t). The block is decoded and updated (the parameter written), then
+// its new scales found and its moments encoded. Typed restrict pointers: no aliasing for the compiler to fear.
 template <int ROUNDING, bool L2, bool DECOUPLED, typename MT, typename VT, typename CT>
-void update_blocks_q8(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, MT* __restrict__ M,
-                      VT* __restrict__ V, uint16_t* __restrict__ MS, uint16_t* __restrict__ VS, CT* __restrict__ C,
-                      int64_t n, int64_t qb_begin, int64_t qb_end, const Scalars& s, int64_t key_p, int64_t key_m,
-                      int64_t key_v, int64_t offset) {
+void update_qblock_portable(uint16_t* __restrict__ Pb, const uint16_t* __restrict__ Gb, MT* __restrict__ Mb,
+                            VT* __restrict__ Vb, uint16_t* __restrict__ MSb, uint16_t* __restrict__ VSb,
+                            CT* __restrict__ Cb, int64_t count, const Scalars& s, const BlockKeys& key,
+                            BlockBuffers& buf) {
   constexpr bool Q8M = sizeof(MT) == 1;
   constexpr bool C8 = sizeof(CT) == 1;
-  float mbuf[QBLOCK], vbuf[QBLOCK], abuf[QBLOCK], dbuf[QBLOCK];
+  const uint32_t lo0 = key.lo0, kp = key.kp, km = key.km, kv = key.kv;
+  float* __restrict__ mbuf = buf.m;
+  float* __restrict__ vbuf = buf.v;
+  float* __restrict__ abuf = buf.a;
+  float* __restrict__ dbuf = buf.d;
+  // Separate simple loops, each of which the compiler can vectorize: decode, update, block maximum, encode.
+  if constexpr (Q8M) {
+    const float m_scale = widen(*MSb), v_scale = widen(*VSb);
+    for (int64_t j = 0; j < count; ++j) {
+      mbuf[j] = decode_m(Mb[j], m_scale);
+      vbuf[j] = decode_v(Vb[j], v_scale);
+    }
+  } else {
+    for (int64_t j = 0; j < count; ++j) {
+      mbuf[j] = widen(Mb[j]);
+      vbuf[j] = widen(Vb[j]);
+    }
+  }
+  uint32_t exact = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+    const float p = widen(Pb[j]);
+    float g = widen(Gb[j]);
+    float m = mbuf[j], v = vbuf[j];
+    if (L2) g = g + p * s.wd;
+    v = v * s.b2 + (g * g) * s.omb2;
+    m = m * s.b1 + g * s.omb1;
+    float delta = (m / (std::sqrt(v) * s.inv_bc2 + s.eps)) * s.neg_step;
+    if (DECOUPLED) delta = delta - p * s.decay;
+    if constexpr (ROUNDING == 2) {
+      float c;
+      if constexpr (C8) c = static_cast<float>(Cb[j]) * residual_unit(Pb[j]);
+      else c = widen(Cb[j]);
+      const uint16_t out = round_nearest(p + (delta + c));
+      if constexpr (C8) {
+        Cb[j] = encode_residual((c - (widen(out) - p)) + delta, out, mix32(lo ^ kp));
+      } else {
+        abuf[j] = c - (widen(out) - p);
+        dbuf[j] = delta;
+        Cb[j] = round_stochastic_sum_fast(abuf[j], delta, mix32(lo ^ kp), exact);
+      }
+      Pb[j] = out;
+    } else if constexpr (ROUNDING == 1) {
+      abuf[j] = p;
+      dbuf[j] = delta;
+      Pb[j] = round_stochastic_sum_fast(p, delta, mix32(lo ^ kp), exact);
+    } else {
+      Pb[j] = round_nearest(p + delta);
+    }
+    mbuf[j] = m;
+    vbuf[j] = v;
+  }
+  if (exact != 0) {  // rare (round_stochastic_sum_fast): these elements decided with the exact sum
+    for (int64_t j = 0; j < count; ++j) {
+      const uint16_t out = round_stochastic_sum(abuf[j], dbuf[j], mix32((lo0 + static_cast<uint32_t>(j)) ^ kp));
+      if constexpr (ROUNDING == 2 && !C8) Cb[j] = out;
+      else Pb[j] = out;
+    }
+  }
+  if constexpr (Q8M) {
+    // The largest magnitude as the largest bit pattern with the sign cleared (the same order for finite floats):
+    // an integer maximum vectorizes, a float one does not without relaxed NaN rules.
+    uint32_t m_max = 0, v_max = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      m_max = std::max(m_max, bits_of(mbuf[j]) & 0x7FFFFFFFu);
+      v_max = std::max(v_max, bits_of(vbuf[j]) & 0x7FFFFFFFu);
+    }
+    *MSb = bf16_ceil(float_of(m_max));
+    *VSb = bf16_ceil(float_of(v_max));
+    const float ms = widen(*MSb), vs = widen(*VSb);
+    for (int64_t j = 0; j < count; ++j) {
+      const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+      Mb[j] = encode_m(mbuf[j], ms, mix32(lo ^ km));
+      Vb[j] = encode_v(vbuf[j], vs, mix32(lo ^ kv));
+    }
+  } else if constexpr (ROUNDING == 0) {
+    for (int64_t j = 0; j < count; ++j) {
+      Mb[j] = round_nearest(mbuf[j]);
+      Vb[j] = round_nearest(vbuf[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < count; ++j) {
+      const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+      Mb[j] = round_stochastic(mbuf[j], mix32(lo ^ km));
+      Vb[j] = round_stochastic(vbuf[j], mix32(lo ^ kv));
+    }
+  }
+}
+
+#ifdef PB16_SIMD
+namespace simd {
+// The constants of one 8-bit step in vector registers.
+template <class A>
+struct QStep {
+  typename A::F b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2, zero, one, n127, r127, n255, r255, two_m24;
+  QStep(const Scalars& s)
+      : b1(A::fset(s.b1)), omb1(A::fset(s.omb1)), b2(A::fset(s.b2)), omb2(A::fset(s.omb2)), eps(A::fset(s.eps)),
+        wd(A::fset(s.wd)), decay(A::fset(s.decay)), neg_step(A::fset(s.neg_step)), inv_bc2(A::fset(s.inv_bc2)),
+        zero(A::fset(0.0f)), one(A::fset(1.0f)), n127(A::fset(127.0f)), r127(A::fset(1.0f / 127.0f)),
+        n255(A::fset(255.0f)), r255(A::fset(1.0f / 255.0f)), two_m24(A::fset(5.9604644775390625e-08f)) {}
+};
+
+// k / n for whole numbers k in [0, 256) and n = 127 or 255, correctly rounded without a division: the product with
+// the rounded reciprocal is off by one unit for some k (8 of the 128 for 127), the remainder k - q * n is exact in one
+// fused multiply-add, and the second one corrects q (every k is checked against the division by the tests).
+template <class A>
+PB16_INLINE typename A::F div_whole(typename A::F k, typename A::F n, typename A::F r) {
+  const typename A::F q = A::mul(k, r);
+  return A::fmadd(A::fnmadd(q, n, k), r, q);
+}
+template <class A>
+PB16_INLINE typename A::F level_m(typename A::F k, const QStep<A>& c) {
+  const typename A::F t = div_whole<A>(k, c.n127, c.r127);
+  return A::mul(t, t);
+}
+template <class A>
+PB16_INLINE typename A::F level_v(typename A::F k, const QStep<A>& c) {
+  const typename A::F t = div_whole<A>(k, c.n255, c.r255);
+  const typename A::F t2 = A::mul(t, t);
+  return A::mul(t2, t2);
+}
+template <class A>
+PB16_INLINE typename A::F uniform24(typename A::I r, const QStep<A>& c) {
+  return A::mul(A::cvt_f(A::template srli<8>(r)), c.two_m24);
+}
+// The stochastic choice between levels k0 and k0 + 1 of a normalized magnitude a (encode_m / encode_v).
+template <class A, bool V>
+PB16_INLINE typename A::I encode_level(typename A::F a, typename A::I r, const QStep<A>& c) {
+  const typename A::F root = V ? A::sqrt(A::sqrt(a)) : A::sqrt(a);
+  const typename A::I k0 = A::imin(A::cvtt_i(A::mul(root, V ? c.n255 : c.n127)), A::iset(V ? 254 : 126));
+  const typename A::F k0f = A::cvt_f(k0);
+  const typename A::F lo = V ? level_v<A>(k0f, c) : level_m<A>(k0f, c);
+  const typename A::F hi = V ? level_v<A>(A::add(k0f, c.one), c) : level_m<A>(A::add(k0f, c.one), c);
+  const typename A::F frac = A::fmin(c.one, A::fmax(c.zero, A::div(A::sub(a, lo), A::sub(hi, lo))));
+  return A::add_one_where(A::lt(uniform24<A>(r, c), frac), k0);
+}
+template <class A>
+PB16_INLINE typename A::F normalized(typename A::F x, float scale, typename A::F scale_v, const QStep<A>& c) {
+  if (!(scale > 0.0f)) return c.zero;
+  return A::div(A::as_f(A::iand(A::as_i(x), A::iset(0x7FFFFFFFu))), scale_v);
+}
+// residual_unit of the bf16 words in the high halves of the lanes.
+template <class A>
+PB16_INLINE typename A::F residual_unit_v(typename A::I p) {
+  const typename A::I e = A::imax(A::iand(A::template srli<23>(p), A::iset(0xFFu)), A::iset(1));
+  const typename A::I normal = A::template slli<23>(A::isub(e, A::iset(15)));
+  const typename A::I subnormal = A::sllv(A::iset(1), A::iadd(A::imin(e, A::iset(15)), A::iset(7)));
+  return A::as_f(A::select(A::at_least(e, A::iset(16)), normal, subnormal));
+}
+
+// One full block (QBLOCK elements) in vector registers, LANES a step, the same operations as update_qblock_portable
+// lane by lane. The moments go through the block buffers between the update and the encoding (the scales need the
+// whole block first).
+template <class A, int ROUNDING, bool L2, bool DECOUPLED, typename MT, typename VT, typename CT>
+void update_qblock(uint16_t* __restrict__ Pb, const uint16_t* __restrict__ Gb, MT* __restrict__ Mb,
+                   VT* __restrict__ Vb, uint16_t* __restrict__ MSb, uint16_t* __restrict__ VSb, CT* __restrict__ Cb,
+                   const QStep<A>& c, const BlockKeys& key, BlockBuffers& buf) {
+  using F = typename A::F;
+  using I = typename A::I;
+  constexpr bool Q8M = sizeof(MT) == 1;
+  constexpr bool C8 = sizeof(CT) == 1;
+  constexpr int L = A::LANES;
+  const I kp = A::iset(key.kp), km = A::iset(key.km), kv = A::iset(key.kv), iota = A::iota();
+  const I sign = A::iset(0x80000000u), magnitude = A::iset(0x7FFFFFFFu);
+  float ms_in = 0.0f, vs_in = 0.0f;
+  if constexpr (Q8M) ms_in = widen(*MSb), vs_in = widen(*VSb);
+  const F ms_v = A::fset(ms_in), vs_v = A::fset(vs_in);
+  I m_max = A::iset(0), v_max = A::iset(0);
+  typename A::Mask exact = A::none();
+  for (int j = 0; j < QBLOCK; j += L) {
+    const I lo = A::iadd(A::iset(key.lo0 + static_cast<uint32_t>(j)), iota);
+    const F p = A::widen(Pb + j);
+    F g = A::widen(Gb + j);
+    F m, v;
+    if constexpr (Q8M) {
+      const I km8 = A::load_i8(reinterpret_cast<const int8_t*>(Mb) + j);
+      const F m_abs = A::mul(ms_v, level_m<A>(A::cvt_f(A::iabs(km8)), c));
+      m = A::as_f(A::ixor(A::as_i(m_abs), A::iand(km8, sign)));  // the code's sign
+      v = A::mul(vs_v, level_v<A>(A::cvt_f(A::load_u8(reinterpret_cast<const uint8_t*>(Vb) + j)), c));
+    } else {
+      m = A::widen(reinterpret_cast<const uint16_t*>(Mb) + j);
+      v = A::widen(reinterpret_cast<const uint16_t*>(Vb) + j);
+    }
+    if (L2) g = A::add(g, A::mul(p, c.wd));
+    v = A::add(A::mul(v, c.b2), A::mul(A::mul(g, g), c.omb2));
+    m = A::add(A::mul(m, c.b1), A::mul(g, c.omb1));
+    F delta = A::mul(A::div(m, A::add(A::mul(A::sqrt(v), c.inv_bc2), c.eps)), c.neg_step);
+    if (DECOUPLED) delta = A::sub(delta, A::mul(p, c.decay));
+    if constexpr (ROUNDING == 0) {
+      A::store_high16(Pb + j, round_nearest_v<A>(A::add(p, delta)));
+    } else {
+      const I rp = mix32v<A>(A::ixor(lo, kp));
+      if constexpr (ROUNDING == 2) {
+        F comp;
+        if constexpr (C8) {
+          comp = A::mul(A::cvt_f(A::load_i8(reinterpret_cast<const int8_t*>(Cb) + j)), residual_unit_v<A>(A::as_i(p)));
+        } else {
+          comp = A::widen(reinterpret_cast<const uint16_t*>(Cb) + j);
+        }
+        const I out = round_nearest_v<A>(A::add(p, A::add(delta, comp)));
+        const F widened = A::as_f(A::iand(out, A::iset(0xFFFF0000u)));
+        const F rest = A::sub(comp, A::sub(widened, p));
+        if constexpr (C8) {
+          const F t = A::div(A::add(rest, delta), residual_unit_v<A>(out));
+          const F k0 = A::floor(t);
+          const F k = A::selectf(A::lt(uniform24<A>(rp, c), A::sub(t, k0)), A::add(k0, c.one), k0);
+          A::store_low8(Cb + j, A::cvtt_i(A::fmin(A::fset(127.0f), A::fmax(A::fset(-127.0f), k))));
+        } else {
+          A::storef(buf.a + j, rest);
+          A::storef(buf.d + j, delta);
+          A::store_high16(reinterpret_cast<uint16_t*>(Cb) + j, round_stochastic_sum_v<A>(rest, delta, rp, exact));
+        }
+        A::store_high16(Pb + j, out);
+      } else {
+        A::storef(buf.a + j, p);
+        A::storef(buf.d + j, delta);
+        A::store_high16(Pb + j, round_stochastic_sum_v<A>(p, delta, rp, exact));
+      }
+    }
+    if constexpr (Q8M) {
+      A::storef(buf.m + j, m);
+      A::storef(buf.v + j, v);
+      m_max = A::umax(m_max, A::iand(A::as_i(m), magnitude));
+      v_max = A::umax(v_max, A::iand(A::as_i(v), magnitude));
+    } else if constexpr (ROUNDING == 0) {
+      A::store_high16(reinterpret_cast<uint16_t*>(Mb) + j, round_nearest_v<A>(m));
+      A::store_high16(reinterpret_cast<uint16_t*>(Vb) + j, round_nearest_v<A>(v));
+    } else {
+      A::store_high16(reinterpret_cast<uint16_t*>(Mb) + j, round_stochastic_v<A>(m, mix32v<A>(A::ixor(lo, km))));
+      A::store_high16(reinterpret_cast<uint16_t*>(Vb) + j, round_stochastic_v<A>(v, mix32v<A>(A::ixor(lo, kv))));
+    }
+  }
+  if (ROUNDING != 0 && !C8 && A::any(exact)) {  // rare: the block's sums decided exactly, as the portable loop does
+    for (int64_t j = 0; j < QBLOCK; ++j) {
+      const uint32_t r = mix32((key.lo0 + static_cast<uint32_t>(j)) ^ key.kp);
+      const uint16_t out = round_stochastic_sum(buf.a[j], buf.d[j], r);
+      if constexpr (ROUNDING == 2) reinterpret_cast<uint16_t*>(Cb)[j] = out;
+      else Pb[j] = out;
+    }
+  }
+  if constexpr (Q8M) {
+    *MSb = bf16_ceil(float_of(A::hmax(m_max)));
+    *VSb = bf16_ceil(float_of(A::hmax(v_max)));
+    const float ms = widen(*MSb), vs = widen(*VSb);
+    const F ms_new = A::fset(ms), vs_new = A::fset(vs);
+    for (int j = 0; j < QBLOCK; j += L) {
+      const I lo = A::iadd(A::iset(key.lo0 + static_cast<uint32_t>(j)), iota);
+      const F m = A::loadf(buf.m + j), v = A::loadf(buf.v + j);
+      const I k_m = encode_level<A, false>(normalized<A>(m, ms, ms_new, c), mix32v<A>(A::ixor(lo, km)), c);
+      A::store_low8(Mb + j, A::negate_where(A::lt(m, c.zero), k_m));
+      A::store_low8(Vb + j, encode_level<A, true>(normalized<A>(v, vs, vs_new, c), mix32v<A>(A::ixor(lo, kv)), c));
+    }
+  }
+}
+}  // namespace simd
+#endif
+
+// Blocks [qb_begin, qb_end) of QBLOCK elements: full blocks in the vector loop where there is one, the rest portable.
+template <int ROUNDING, bool L2, bool DECOUPLED, typename MT, typename VT, typename CT>
+void update_blocks_q8(uint16_t* P, const uint16_t* G, MT* M, VT* V, uint16_t* MS, uint16_t* VS, CT* C, int64_t n,
+                      int64_t qb_begin, int64_t qb_end, const Scalars& s, int64_t key_p, int64_t key_m,
+                      int64_t key_v, int64_t offset) {
+  BlockBuffers buf;
+#ifdef PB16_SIMD
+  const simd::QStep<simd::Best> consts(s);
+  const bool vector = vector_loops;
+#endif
+  uint16_t dummy_scales[2] = {0, 0};
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
     const int64_t begin = qb * QBLOCK, count = std::min(QBLOCK, n - begin);
     const int64_t global = begin + offset;  // offset is a multiple of QBLOCK: one high index word per block
-    const uint32_t hi = static_cast<uint32_t>(global >> 32), lo0 = static_cast<uint32_t>(global);
-    const uint32_t kp = mix32(static_cast<uint32_t>(key_p) ^ hi), km = mix32(static_cast<uint32_t>(key_m) ^ hi),
-                   kv = mix32(static_cast<uint32_t>(key_v) ^ hi);
-    uint16_t* __restrict__ Pb = P + begin;
-    const uint16_t* __restrict__ Gb = G + begin;
-    MT* __restrict__ Mb = M + begin;
-    VT* __restrict__ Vb = V + begin;
-    CT* __restrict__ Cb = ROUNDING == 2 ? C + begin : nullptr;
-    // Separate simple loops, each of which the compiler can vectorize: decode, update, block maximum, encode.
-    if constexpr (Q8M) {
-      const float m_scale = widen(MS[qb]), v_scale = widen(VS[qb]);
-      for (int64_t j = 0; j < count; ++j) {
-        mbuf[j] = decode_m(Mb[j], m_scale);
-        vbuf[j] = decode_v(Vb[j], v_scale);
-      }
-    } else {
-      for (int64_t j = 0; j < count; ++j) {
-        mbuf[j] = widen(Mb[j]);
-        vbuf[j] = widen(Vb[j]);
-      }
+    const uint32_t hi = static_cast<uint32_t>(global >> 32);
+    const BlockKeys key{static_cast<uint32_t>(global), mix32(static_cast<uint32_t>(key_p) ^ hi),
+                        mix32(static_cast<uint32_t>(key_m) ^ hi), mix32(static_cast<uint32_t>(key_v) ^ hi)};
+    uint16_t* MSb = MS != nullptr ? MS + qb : dummy_scales;
+    uint16_t* VSb = VS != nullptr ? VS + qb : dummy_scales + 1;
+    CT* Cb = ROUNDING == 2 ? C + begin : nullptr;
+#ifdef PB16_SIMD
+    if (vector && count == QBLOCK) {
+      simd::update_qblock<simd::Best, ROUNDING, L2, DECOUPLED, MT, VT, CT>(P + begin, G + begin, M + begin, V + begin,
+                                                                           MSb, VSb, Cb, consts, key, buf);
+      continue;
     }
-    uint32_t exact = 0;
-    for (int64_t j = 0; j < count; ++j) {
-      const uint32_t lo = lo0 + static_cast<uint32_t>(j);
-      const float p = widen(Pb[j]);
-      float g = widen(Gb[j]);
-      float m = mbuf[j], v = vbuf[j];
-      if (L2) g = g + p * s.wd;
-      v = v * s.b2 + (g * g) * s.omb2;
-      m = m * s.b1 + g * s.omb1;
-      float delta = (m / (std::sqrt(v) * s.inv_bc2 + s.eps)) * s.neg_step;
-      if (DECOUPLED) delta = delta - p * s.decay;
-      if constexpr (ROUNDING == 2) {
-        float c;
-        if constexpr (C8) c = static_cast<float>(Cb[j]) * residual_unit(Pb[j]);
-        else c = widen(Cb[j]);
-        const uint16_t out = round_nearest(p + (delta + c));
-        if constexpr (C8) {
-          Cb[j] = encode_residual((c - (widen(out) - p)) + delta, out, mix32(lo ^ kp));
-        } else {
-          abuf[j] = c - (widen(out) - p);
-          dbuf[j] = delta;
-          Cb[j] = round_stochastic_sum_fast(abuf[j], delta, mix32(lo ^ kp), exact);
-        }
-        Pb[j] = out;
-      } else if constexpr (ROUNDING == 1) {
-        abuf[j] = p;
-        dbuf[j] = delta;
-        Pb[j] = round_stochastic_sum_fast(p, delta, mix32(lo ^ kp), exact);
-      } else {
-        Pb[j] = round_nearest(p + delta);
-      }
-      mbuf[j] = m;
-      vbuf[j] = v;
-    }
-    if (exact != 0) {  // rare (round_stochastic_sum_fast): these elements decided with the exact sum
-      for (int64_t j = 0; j < count; ++j) {
-        const uint16_t out = round_stochastic_sum(abuf[j], dbuf[j], mix32((lo0 + static_cast<uint32_t>(j)) ^ kp));
-        if constexpr (ROUNDING == 2 && !C8) Cb[j] = out;
-        else Pb[j] = out;
-      }
-    }
-    if constexpr (Q8M) {
-      // The largest magnitude as the largest bit pattern with the sign cleared (the same order for finite floats):
-      // an integer maximum vectorizes, a float one does not without relaxed NaN rules.
-      uint32_t m_max = 0, v_max = 0;
-      for (int64_t j = 0; j < count; ++j) {
-        m_max = std::max(m_max, bits_of(mbuf[j]) & 0x7FFFFFFFu);
-        v_max = std::max(v_max, bits_of(vbuf[j]) & 0x7FFFFFFFu);
-      }
-      MS[qb] = bf16_ceil(float_of(m_max));
-      VS[qb] = bf16_ceil(float_of(v_max));
-      const float ms = widen(MS[qb]), vs = widen(VS[qb]);
-      for (int64_t j = 0; j < count; ++j) {
-        const uint32_t lo = lo0 + static_cast<uint32_t>(j);
-        Mb[j] = encode_m(mbuf[j], ms, mix32(lo ^ km));
-        Vb[j] = encode_v(vbuf[j], vs, mix32(lo ^ kv));
-      }
-    } else if constexpr (ROUNDING == 0) {
-      for (int64_t j = 0; j < count; ++j) {
-        Mb[j] = round_nearest(mbuf[j]);
-        Vb[j] = round_nearest(vbuf[j]);
-      }
-    } else {
-      for (int64_t j = 0; j < count; ++j) {
-        const uint32_t lo = lo0 + static_cast<uint32_t>(j);
-        Mb[j] = round_stochastic(mbuf[j], mix32(lo ^ km));
-        Vb[j] = round_stochastic(vbuf[j], mix32(lo ^ kv));
-      }
-    }
+#endif
+    update_qblock_portable<ROUNDING, L2, DECOUPLED, MT, VT, CT>(P + begin, G + begin, M + begin, V + begin, MSb, VSb,
+                                                                Cb, count, s, key, buf);
   }
 }
 
@@ -803,14 +1091,16 @@ def fused_cpu_available() -> bool:
         # No fused multiply-add contraction: every product is rounded, as in the PyTorch path. The random bits belong
         # to each element's index, so any split over threads writes the same bytes.
         capability = torch.backends.cpu.get_cpu_capability()
-        arch = {"AVX2": ["-mavx2"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl"]}.get(capability, [])
+        arch = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]}.get(
+            capability, []
+        )
         flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *arch]
         # With OpenMP, as torch itself is built, at::parallel_for splits the loop over torch's threads (without it,
         # ATen's inline parallel_for runs serially in an extension); a compiler without OpenMP builds the serial loop.
         for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
             try:
                 _extension = load_inline(
-                    name=f"lightning_pure_bf16_adamw_cpu_v20_{capability.lower()}{suffix}",
+                    name=f"lightning_pure_bf16_adamw_cpu_v21_{capability.lower()}{suffix}",
                     cpp_sources=[_source()],
                     functions=[
                         "adamw_update_bf16",
