@@ -1,5 +1,7 @@
 """The fused CPU loop against the PyTorch path: the same operations in the same order, so the same bits."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,17 +21,6 @@ def _run(opt_cls, shape, rounding, backend, steps=3, **kw):
         p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
         opt.step()
     return [p.detach(), *(v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.ndim)]
-
-
-@pytest.fixture(params=["vector", "portable"])
-def loops(request):
-    """The explicit vector loops (where this CPU and build have them), then the portable loops, on the same CPU."""
-    assert adamw_cpu.fused_cpu_available()
-    has_vector = adamw_cpu._extension.use_vector_loops(request.param == "vector")
-    if request.param == "vector" and not has_vector:
-        pytest.skip("this build has no explicit vector loops for this CPU (the portable loops are tested)")
-    yield request.param
-    adamw_cpu._extension.use_vector_loops(True)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -211,8 +202,8 @@ def test_fast_sum_rounding_equals_the_exact_one_at_every_carry_boundary(loops):
 
 
 def test_the_avx2_loop_where_the_cpu_also_has_avx512():
-    """The AVX2 build of the loop (what CPUs without AVX-512 run), built and checked on this CPU in a subprocess told
-    to dispatch as an AVX2 CPU (torch's ATEN_CPU_CAPABILITY)."""
+    """The AVX2 build of the loops (what CPUs without AVX-512 run), bf16 and 8-bit states, built and checked on this
+    CPU in a subprocess told to dispatch as an AVX2 CPU (torch's ATEN_CPU_CAPABILITY)."""
     import os
     import subprocess
     import sys
@@ -220,9 +211,10 @@ def test_the_avx2_loop_where_the_cpu_also_has_avx512():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip(f"this CPU dispatches as {torch.backends.cpu.get_cpu_capability()}: no AVX2 loop to test")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    selection = "(bit_for_bit or every_carry_boundary or non_finite) and not portable"
+    selection = "(loop_equals or every_carry_boundary or non_finite or cpu_loops or loops_levels) and not portable"
+    int8_tests = str(Path(__file__).with_name("test_int8_states.py"))
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, int8_tests, "-k", selection],
         env=env,
         capture_output=True,
         text=True,

@@ -257,3 +257,100 @@ def test_a_second_moment_changing_by_a_fifth_of_a_percent_a_step_follows_its_ave
     expected = g2 - (g2 - 0.01) * beta2**200
     after = opt.dequantized_state(p)["exp_avg_sq"][~big].double().mean().item()
     assert after == pytest.approx(expected, rel=0.01)  # rounding to nearest would leave it at 0.01: 15% off
+
+
+# ------------------------------------------------------------------------------------- the CPU loops, both of them
+def test_the_loops_levels_equal_the_division(loops):
+    """The vector loops compute k / 127 and k / 255 without a division (a product and a fused correction): every
+    level of both codes equals the PyTorch path's division."""
+    from lightning_pure_bf16.ops import adamw_cpu
+
+    levels = adamw_cpu._extension.levels_8bit()
+    assert torch.equal(levels[:128], quant._level(torch.arange(128, dtype=torch.float32), quant.M_LEVELS, 2))
+    assert torch.equal(levels[128:], quant._level(torch.arange(256, dtype=torch.float32), quant.V_LEVELS, 4))
+
+
+@pytest.mark.parametrize("shape", [(300, 7), ((1 << 15) + 77,)])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_both_cpu_loops_write_the_torch_paths_bytes(config, shape, loops):
+    reference = _bytes(*_run(shape, "torch", **config))
+    assert all(torch.equal(a, b) for a, b in zip(_bytes(*_run(shape, "cpu", **config)), reference))
+
+
+def _extreme_states(n, config, seed=3):
+    """States no training run would draw at random: zero, tiny (subnormal) and huge blocks, every code, exact bf16
+    magnitudes (a normalized magnitude of exactly 1), negative zeros, subnormal gradients."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = quant.scale_blocks(n)
+    magnitude = 10.0 ** torch.randint(-38, 38, (n,), generator=g).float()
+    param = (torch.randn(n, generator=g) * magnitude).bfloat16()
+    param[::17] = 0.0
+    param[5::31] = -0.0
+    grad = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-40, 5, (n,), generator=g).float()).bfloat16()
+    grad[: quant.QBLOCK] = 0.0  # block 0: no gradient at all
+    state = {}
+    if config.get("moments") == "int8":
+        m = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=g)
+        m[: 2 * quant.QBLOCK] = torch.arange(-127, 129).clamp(max=127).to(torch.int8)  # every code, twice 127
+        v = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        v[: 2 * quant.QBLOCK] = torch.arange(256, dtype=torch.uint8)
+        v[2 * quant.QBLOCK : 3 * quant.QBLOCK] = 0
+        m_scale = (10.0 ** torch.randint(-30, 30, (blocks,), generator=g).float()).bfloat16()
+        v_scale = (10.0 ** torch.randint(-44, 30, (blocks,), generator=g).float()).bfloat16()  # down to subnormal
+        m_scale[1] = v_scale[1] = 0.0
+        v_scale[3] = torch.tensor(1e-40).bfloat16()
+        state.update(exp_avg=m, exp_avg_sq=v, exp_avg_scale=m_scale, exp_avg_sq_scale=v_scale)
+    else:
+        state.update(
+            exp_avg=(torch.randn(n, generator=g) * magnitude).bfloat16(), exp_avg_sq=param.float().square().bfloat16()
+        )
+    if config.get("rounding") == "kahan":
+        if config.get("compensation") == "int8":
+            state["kahan_comp"] = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=g)
+        else:
+            state["kahan_comp"] = (torch.randn(n, generator=g) * magnitude * 2**-9).bfloat16()
+    return param, grad, state
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_both_cpu_loops_equal_the_torch_path_on_extreme_states(config, decoupled, loops):
+    """Both CPU loops against the PyTorch path on states from zero to subnormal to huge, every code, a partial last
+    block, and an index crossing 2**32 (the random bits' high word changes between two blocks)."""
+    from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_
+    from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, adamw_update_torch_
+
+    n = 20 * quant.QBLOCK + 50
+    offset = 2**32 - 5 * quant.QBLOCK
+    args = UpdateArgs(
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.05,
+        decoupled=decoupled,
+        step=3,
+        rounding=config.get("rounding", "stochastic"),
+        keys=(0x1234567, 0x7654321, 0x0BADF00D),
+    )
+    outputs = []
+    for update in (adamw_update_torch_, adamw_update_cpu_):
+        param, grad, state = _extreme_states(n, config)
+        kw = {"index_offset": offset}
+        if update is adamw_update_torch_:
+            kw["chunk_size"] = quant.QBLOCK
+        update(
+            param,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state.get("kahan_comp"),
+            args,
+            exp_avg_scale=state.get("exp_avg_scale"),
+            exp_avg_sq_scale=state.get("exp_avg_sq_scale"),
+            **kw,
+        )
+        outputs.append([param.view(torch.uint8)] + [t.view(torch.uint8) for t in state.values()])
+    reference, loop = outputs
+    for name, a, b in zip(["param", *_extreme_states(n, config)[2]], loop, reference):
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"

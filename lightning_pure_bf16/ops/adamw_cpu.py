@@ -999,6 +999,27 @@ torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch:
   return out;
 }
 
+// The levels of the 8-bit codes as the loops compute them: (k / 127)**2 for k < 128, then (k / 255)**4 for k < 256
+// (tests: the vector loops' divisions without a divider against the division).
+torch::Tensor levels_8bit() {
+  torch::Tensor out = torch::empty({128 + 256}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+#ifdef PB16_SIMD
+  using S = simd::Best;
+  if (vector_loops) {
+    const simd::QStep<S> c(Scalars{});
+    for (int k = 0; k < 128; k += S::LANES)
+      S::storef(o + k, simd::level_m<S>(S::cvt_f(S::iadd(S::iset(k), S::iota())), c));
+    for (int k = 0; k < 256; k += S::LANES)
+      S::storef(o + 128 + k, simd::level_v<S>(S::cvt_f(S::iadd(S::iset(k), S::iota())), c));
+    return out;
+  }
+#endif
+  for (int k = 0; k < 128; ++k) o[k] = level_m_of(static_cast<float>(k));
+  for (int k = 0; k < 256; ++k) o[128 + k] = level_v_of(static_cast<float>(k));
+  return out;
+}
+
 // Switches the explicit vector loops on or off; returns whether this build has them (tests).
 bool use_vector_loops(bool on) {
   vector_loops = on;
@@ -1106,6 +1127,7 @@ def fused_cpu_available() -> bool:
                         "adamw_update_bf16",
                         "adamw_update_q8",
                         "any_nonfinite_bf16",
+                        "levels_8bit",
                         "stochastic_round_sum_bf16",
                         "use_vector_loops",
                     ],
