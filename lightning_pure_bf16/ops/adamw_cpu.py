@@ -754,6 +754,18 @@ PB16_INLINE typename A::F residual_unit_v(typename A::I p) {
   return A::as_f(A::select(A::at_least(e, A::iset(16)), normal, subnormal));
 }
 
+// x / residual_unit of the bf16 words in the high halves of the lanes, without a division: the unit is 2**(e - 142)
+// (e the weight's biased exponent, at least 1), so the quotient is x * 2**(142 - e), rounded once as the division
+// rounds it. Below e = 16 that factor exceeds the float32 range and is applied in two exact steps (2**64 first).
+template <class A>
+PB16_INLINE typename A::F div_residual_unit(typename A::F x, typename A::I p) {
+  const typename A::I e = A::imax(A::iand(A::template srli<23>(p), A::iset(0xFFu)), A::iset(1));
+  const typename A::Mask low = A::at_least(A::iset(15), e);
+  const typename A::I exponent = A::isub(A::select(low, A::iset(205), A::iset(269)), e);
+  const typename A::F first = A::as_f(A::select(low, A::iset(0x5F800000u), A::iset(0x3F800000u)));  // 2**64 or 1
+  return A::mul(A::mul(x, first), A::as_f(A::template slli<23>(exponent)));
+}
+
 // One full block (QBLOCK elements) in vector registers, LANES a step, the same operations as update_qblock_portable
 // lane by lane. The moments go through the block buffers between the update and the encoding (the scales need the
 // whole block first).
@@ -807,7 +819,7 @@ void update_qblock(uint16_t* __restrict__ Pb, const uint16_t* __restrict__ Gb, M
         const F widened = A::as_f(A::iand(out, A::iset(0xFFFF0000u)));
         const F rest = A::sub(comp, A::sub(widened, p));
         if constexpr (C8) {
-          const F t = A::div(A::add(rest, delta), residual_unit_v<A>(out));
+          const F t = div_residual_unit<A>(A::add(rest, delta), out);
           const F k0 = A::floor(t);
           const F k = A::selectf(A::lt(uniform24<A>(rp, c), A::sub(t, k0)), A::add(k0, c.one), k0);
           A::store_low8(Cb + j, A::cvtt_i(A::fmin(A::fset(127.0f), A::fmax(A::fset(-127.0f), k))));
