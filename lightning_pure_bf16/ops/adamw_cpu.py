@@ -6,9 +6,11 @@ without them the optimizer falls back to the chunked PyTorch path, with a warnin
 path's float32 operations in the same order, with fused multiply-add contraction off, and draws the same random bits
 (``ops.rng``), so the two give identical results bit for bit. bf16 parameters and gradients only.
 
-The bf16-state loop runs in explicit AVX-512 or AVX2 vector code where the build targets them (one template, two sets
-of instructions) and in a portable loop the compiler vectorizes elsewhere; ``use_vector_loops(False)`` switches the
-vector code off (tests). Both decide the stochastic rounding of the exact sum ``p + update`` from the float32 sum's
+The loops run in explicit AVX-512 or AVX2 vector code where the build targets them (one template, two sets of
+instructions; for 8-bit states, whole blocks of 128 elements) and in portable loops the compiler vectorizes elsewhere;
+``use_vector_loops(False)`` switches the vector code off (tests). The 8-bit vector loop divides by 127 and 255 (the
+codes' levels) and by the Kahan remainder's power-of-two unit without the divider, with the same results (every level
+is checked against the division by the tests). Both decide the stochastic rounding of the exact sum ``p + update`` from the float32 sum's
 discarded bits plus the random bits, and hand the rare elements whose decision the sum's rounding error could change
 (within 2**17 of a carry: one in 2**14) to the exact computation, so the bits stay the PyTorch path's.
 """
