@@ -8,11 +8,12 @@ path's float32 operations in the same order, with fused multiply-add contraction
 
 The loops run in explicit AVX-512 or AVX2 vector code where the build targets them (one template, two sets of
 instructions; for 8-bit states, whole blocks of 128 elements) and in portable loops the compiler vectorizes elsewhere;
-``use_vector_loops(False)`` switches the vector code off (tests). The 8-bit vector loop divides by 127 and 255 (the
-codes' levels) and by the Kahan remainder's power-of-two unit without the divider, with the same results (every level
-is checked against the division by the tests). Both decide the stochastic rounding of the exact sum ``p + update`` from the float32 sum's
-discarded bits plus the random bits, and hand the rare elements whose decision the sum's rounding error could change
-(within 2**17 of a carry: one in 2**14) to the exact computation, so the bits stay the PyTorch path's.
+``use_vector_loops(False)`` switches the vector code off (tests). Both decide the stochastic rounding of the exact sum
+``p + update`` from the float32 sum's discarded bits plus the random bits, and hand the rare elements whose decision
+the sum's rounding error could change (within 2**17 of a carry: one in 2**14) to the exact computation, so the bits
+stay the PyTorch path's. The 8-bit vector loop divides by 127 and 255 (the codes' levels) and by the Kahan
+remainder's power-of-two unit without the divider, with the division's results (every level is checked against the
+division by the tests).
 """
 
 from __future__ import annotations
