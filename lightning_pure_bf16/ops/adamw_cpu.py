@@ -1124,6 +1124,8 @@ def fused_cpu_available() -> bool:
         from torch.utils.cpp_extension import load_inline
 
         # Vector instructions of the CPU torch itself dispatches to; part of the name, so each build is cached apart.
+        # FMA too: ATen reports AVX2 only for CPUs that also have FMA3, and every AVX-512 CPU has it (the 8-bit vector
+        # loop uses explicit fused multiply-adds; the compiler still contracts nothing by itself).
         # No fused multiply-add contraction: every product is rounded, as in the PyTorch path. The random bits belong
         # to each element's index, so any split over threads writes the same bytes.
         capability = torch.backends.cpu.get_cpu_capability()
