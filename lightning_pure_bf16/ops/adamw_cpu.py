@@ -416,14 +416,32 @@ PB16_INLINE typename A::I round_stochastic_sum_v(typename A::F a, typename A::F 
   return u;
 }
 
+// The step's scalars in vector registers, and the Adam update of both loops (bf16 and 8-bit states): the new moments
+// in m and v, the returned change of the parameter.
 template <class A>
-struct Step {
+struct AdamConsts {
   typename A::F b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
+  explicit AdamConsts(const Scalars& s)
+      : b1(A::fset(s.b1)), omb1(A::fset(s.omb1)), b2(A::fset(s.b2)), omb2(A::fset(s.omb2)), eps(A::fset(s.eps)),
+        wd(A::fset(s.wd)), decay(A::fset(s.decay)), neg_step(A::fset(s.neg_step)), inv_bc2(A::fset(s.inv_bc2)) {}
+};
+template <class A, bool L2, bool DECOUPLED>
+PB16_INLINE typename A::F adam_delta(typename A::F p, typename A::F g, typename A::F& m, typename A::F& v,
+                                     const AdamConsts<A>& k) {
+  if (L2) g = A::add(g, A::mul(p, k.wd));
+  v = A::add(A::mul(v, k.b2), A::mul(A::mul(g, g), k.omb2));
+  m = A::add(A::mul(m, k.b1), A::mul(g, k.omb1));
+  typename A::F delta = A::mul(A::div(m, A::add(A::mul(A::sqrt(v), k.inv_bc2), k.eps)), k.neg_step);
+  if (DECOUPLED) delta = A::sub(delta, A::mul(p, k.decay));
+  return delta;
+}
+
+template <class A>
+struct Step : AdamConsts<A> {
   typename A::I iota_a, iota_b, kp, km, kv;
   Step(const Scalars& s, uint32_t kp_, uint32_t km_, uint32_t kv_)
-      : b1(A::fset(s.b1)), omb1(A::fset(s.omb1)), b2(A::fset(s.b2)), omb2(A::fset(s.omb2)), eps(A::fset(s.eps)),
-        wd(A::fset(s.wd)), decay(A::fset(s.decay)), neg_step(A::fset(s.neg_step)), inv_bc2(A::fset(s.inv_bc2)),
-        iota_a(A::iota_a()), iota_b(A::iota_b()), kp(A::iset(kp_)), km(A::iset(km_)), kv(A::iset(kv_)) {}
+      : AdamConsts<A>(s), iota_a(A::iota_a()), iota_b(A::iota_b()), kp(A::iset(kp_)), km(A::iset(km_)),
+        kv(A::iset(kv_)) {}
 };
 
 template <class A>
@@ -434,11 +452,7 @@ struct Out {
 template <class A, int ROUNDING, bool L2, bool DECOUPLED>
 PB16_INLINE void update_lanes(Out<A>& o, typename A::F p, typename A::F g, typename A::F m, typename A::F v,
                               typename A::F c, typename A::I lo, const Step<A>& k, typename A::Mask& exact) {
-  if (L2) g = A::add(g, A::mul(p, k.wd));
-  v = A::add(A::mul(v, k.b2), A::mul(A::mul(g, g), k.omb2));
-  m = A::add(A::mul(m, k.b1), A::mul(g, k.omb1));
-  typename A::F delta = A::mul(A::div(m, A::add(A::mul(A::sqrt(v), k.inv_bc2), k.eps)), k.neg_step);
-  if (DECOUPLED) delta = A::sub(delta, A::mul(p, k.decay));
+  const typename A::F delta = adam_delta<A, L2, DECOUPLED>(p, g, m, v, k);
   if (ROUNDING == 0) {
     o.p = round_nearest_v<A>(A::add(p, delta));
     o.m = round_nearest_v<A>(m);
@@ -597,6 +611,18 @@ struct BlockBuffers {
   alignas(64) float d[QBLOCK];
 };
 
+// The rare exact decisions (round_stochastic_sum_fast flagged one): the block's stochastically rounded sums, the
+// parameter's (or the bf16 Kahan remainder's), decided again from the exact sums of their operands in `buf`.
+template <int ROUNDING, typename CT>
+void decide_sums_exactly(uint16_t* Pb, CT* Cb, int64_t count, const BlockKeys& key, const BlockBuffers& buf) {
+  for (int64_t j = 0; j < count; ++j) {
+    const uint32_t r = mix32((key.lo0 + static_cast<uint32_t>(j)) ^ key.kp);
+    const uint16_t out = round_stochastic_sum(buf.a[j], buf.d[j], r);
+    if constexpr (ROUNDING == 2) reinterpret_cast<uint16_t*>(Cb)[j] = out;
+    else Pb[j] = out;
+  }
+}
+
 // One block of `count` (<= QBLOCK) elements: moments bf16 (MT = VT = uint16_t) or 8-bit (int8_t, uint8_t), the Kahan
 // remainder bf16 (CT = uint16_t) or 8-bit (int8_t). The block is decoded and updated (the parameter written), then
 // its new scales found and its moments encoded. Typed restrict pointers: no aliasing for the compiler to fear.
@@ -659,13 +685,7 @@ void update_qblock_portable(uint16_t* __restrict__ Pb, const uint16_t* __restric
     mbuf[j] = m;
     vbuf[j] = v;
   }
-  if (exact != 0) {  // rare (round_stochastic_sum_fast): these elements decided with the exact sum
-    for (int64_t j = 0; j < count; ++j) {
-      const uint16_t out = round_stochastic_sum(abuf[j], dbuf[j], mix32((lo0 + static_cast<uint32_t>(j)) ^ kp));
-      if constexpr (ROUNDING == 2 && !C8) Cb[j] = out;
-      else Pb[j] = out;
-    }
-  }
+  if (exact != 0) decide_sums_exactly<ROUNDING>(Pb, Cb, count, key, buf);  // rare: flagged by the fast rounding
   if constexpr (Q8M) {
     // The largest magnitude as the largest bit pattern with the sign cleared (the same order for finite floats):
     // an integer maximum vectorizes, a float one does not without relaxed NaN rules.
@@ -700,13 +720,12 @@ void update_qblock_portable(uint16_t* __restrict__ Pb, const uint16_t* __restric
 namespace simd {
 // The constants of one 8-bit step in vector registers.
 template <class A>
-struct QStep {
-  typename A::F b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2, zero, one, n127, r127, n255, r255, two_m24;
-  QStep(const Scalars& s)
-      : b1(A::fset(s.b1)), omb1(A::fset(s.omb1)), b2(A::fset(s.b2)), omb2(A::fset(s.omb2)), eps(A::fset(s.eps)),
-        wd(A::fset(s.wd)), decay(A::fset(s.decay)), neg_step(A::fset(s.neg_step)), inv_bc2(A::fset(s.inv_bc2)),
-        zero(A::fset(0.0f)), one(A::fset(1.0f)), n127(A::fset(127.0f)), r127(A::fset(1.0f / 127.0f)),
-        n255(A::fset(255.0f)), r255(A::fset(1.0f / 255.0f)), two_m24(A::fset(5.9604644775390625e-08f)) {}
+struct QStep : AdamConsts<A> {
+  typename A::F zero, one, n127, r127, n255, r255, two_m24;
+  explicit QStep(const Scalars& s)
+      : AdamConsts<A>(s), zero(A::fset(0.0f)), one(A::fset(1.0f)), n127(A::fset(127.0f)),
+        r127(A::fset(1.0f / 127.0f)), n255(A::fset(255.0f)), r255(A::fset(1.0f / 255.0f)),
+        two_m24(A::fset(5.9604644775390625e-08f)) {}
 };
 
 // k / n for whole numbers k in [0, 256) and n = 127 or 255, correctly rounded without a division: the product with
@@ -748,10 +767,15 @@ PB16_INLINE typename A::F normalized(typename A::F x, float scale, typename A::F
   if (!(scale > 0.0f)) return c.zero;
   return A::div(A::as_f(A::iand(A::as_i(x), A::iset(0x7FFFFFFFu))), scale_v);
 }
+// The biased exponent (at least 1) of the bf16 words in the high halves of the lanes: it sets their remainder's unit.
+template <class A>
+PB16_INLINE typename A::I residual_exponent(typename A::I p) {
+  return A::imax(A::iand(A::template srli<23>(p), A::iset(0xFFu)), A::iset(1));
+}
 // residual_unit of the bf16 words in the high halves of the lanes.
 template <class A>
 PB16_INLINE typename A::F residual_unit_v(typename A::I p) {
-  const typename A::I e = A::imax(A::iand(A::template srli<23>(p), A::iset(0xFFu)), A::iset(1));
+  const typename A::I e = residual_exponent<A>(p);
   const typename A::I normal = A::template slli<23>(A::isub(e, A::iset(15)));
   const typename A::I subnormal = A::sllv(A::iset(1), A::iadd(A::imin(e, A::iset(15)), A::iset(7)));
   return A::as_f(A::select(A::at_least(e, A::iset(16)), normal, subnormal));
@@ -762,7 +786,7 @@ PB16_INLINE typename A::F residual_unit_v(typename A::I p) {
 // rounds it. Below e = 16 that factor exceeds the float32 range and is applied in two exact steps (2**64 first).
 template <class A>
 PB16_INLINE typename A::F div_residual_unit(typename A::F x, typename A::I p) {
-  const typename A::I e = A::imax(A::iand(A::template srli<23>(p), A::iset(0xFFu)), A::iset(1));
+  const typename A::I e = residual_exponent<A>(p);
   const typename A::Mask low = A::at_least(A::iset(15), e);
   const typename A::I exponent = A::isub(A::select(low, A::iset(205), A::iset(269)), e);
   const typename A::F first = A::as_f(A::select(low, A::iset(0x5F800000u), A::iset(0x3F800000u)));  // 2**64 or 1
@@ -790,8 +814,7 @@ void update_qblock(uint16_t* __restrict__ Pb, const uint16_t* __restrict__ Gb, M
   typename A::Mask exact = A::none();
   for (int j = 0; j < QBLOCK; j += L) {
     const I lo = A::iadd(A::iset(key.lo0 + static_cast<uint32_t>(j)), iota);
-    const F p = A::widen(Pb + j);
-    F g = A::widen(Gb + j);
+    const F p = A::widen(Pb + j), g = A::widen(Gb + j);
     F m, v;
     if constexpr (Q8M) {
       const I km8 = A::load_i8(reinterpret_cast<const int8_t*>(Mb) + j);
@@ -802,11 +825,7 @@ void update_qblock(uint16_t* __restrict__ Pb, const uint16_t* __restrict__ Gb, M
       m = A::widen(reinterpret_cast<const uint16_t*>(Mb) + j);
       v = A::widen(reinterpret_cast<const uint16_t*>(Vb) + j);
     }
-    if (L2) g = A::add(g, A::mul(p, c.wd));
-    v = A::add(A::mul(v, c.b2), A::mul(A::mul(g, g), c.omb2));
-    m = A::add(A::mul(m, c.b1), A::mul(g, c.omb1));
-    F delta = A::mul(A::div(m, A::add(A::mul(A::sqrt(v), c.inv_bc2), c.eps)), c.neg_step);
-    if (DECOUPLED) delta = A::sub(delta, A::mul(p, c.decay));
+    const F delta = adam_delta<A, L2, DECOUPLED>(p, g, m, v, c);
     if constexpr (ROUNDING == 0) {
       A::store_high16(Pb + j, round_nearest_v<A>(A::add(p, delta)));
     } else {
@@ -851,14 +870,7 @@ void update_qblock(uint16_t* __restrict__ Pb, const uint16_t* __restrict__ Gb, M
       A::store_high16(reinterpret_cast<uint16_t*>(Vb) + j, round_stochastic_v<A>(v, mix32v<A>(A::ixor(lo, kv))));
     }
   }
-  if (ROUNDING != 0 && !C8 && A::any(exact)) {  // rare: the block's sums decided exactly, as the portable loop does
-    for (int64_t j = 0; j < QBLOCK; ++j) {
-      const uint32_t r = mix32((key.lo0 + static_cast<uint32_t>(j)) ^ key.kp);
-      const uint16_t out = round_stochastic_sum(buf.a[j], buf.d[j], r);
-      if constexpr (ROUNDING == 2) reinterpret_cast<uint16_t*>(Cb)[j] = out;
-      else Pb[j] = out;
-    }
-  }
+  if (A::any(exact)) decide_sums_exactly<ROUNDING>(Pb, Cb, QBLOCK, key, buf);  // rare, as in the portable loop
   if constexpr (Q8M) {
     *MSb = bf16_ceil(float_of(A::hmax(m_max)));
     *VSb = bf16_ceil(float_of(A::hmax(v_max)));
@@ -886,15 +898,14 @@ void update_blocks_q8(uint16_t* P, const uint16_t* G, MT* M, VT* V, uint16_t* MS
   const simd::QStep<simd::Best> consts(s);
   const bool vector = vector_loops;
 #endif
-  uint16_t dummy_scales[2] = {0, 0};
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
     const int64_t begin = qb * QBLOCK, count = std::min(QBLOCK, n - begin);
     const int64_t global = begin + offset;  // offset is a multiple of QBLOCK: one high index word per block
     const uint32_t hi = static_cast<uint32_t>(global >> 32);
     const BlockKeys key{static_cast<uint32_t>(global), mix32(static_cast<uint32_t>(key_p) ^ hi),
                         mix32(static_cast<uint32_t>(key_m) ^ hi), mix32(static_cast<uint32_t>(key_v) ^ hi)};
-    uint16_t* MSb = MS != nullptr ? MS + qb : dummy_scales;
-    uint16_t* VSb = VS != nullptr ? VS + qb : dummy_scales + 1;
+    uint16_t* MSb = MS != nullptr ? MS + qb : nullptr;  // bf16 moments have no scales
+    uint16_t* VSb = VS != nullptr ? VS + qb : nullptr;
     CT* Cb = ROUNDING == 2 ? C + begin : nullptr;
 #ifdef PB16_SIMD
     if (vector && count == QBLOCK) {
