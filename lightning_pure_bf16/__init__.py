@@ -9,6 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint, consolidate_optimizer_state
+from lightning_pure_bf16.data import resume_fabric_dataloader
 from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
@@ -32,4 +33,5 @@ __all__ = [
     "__version__",
     "consolidate_checkpoint",
     "consolidate_optimizer_state",
+    "resume_fabric_dataloader",
 ]

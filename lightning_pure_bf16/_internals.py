@@ -128,6 +128,43 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "lightning.pytorch.utilities._pytree", "LeafSpec()", "marker", "origin of a warning _warnings.py filters"
     ),
+    PrivateName(
+        "lightning.fabric.utilities.data",
+        "_update_dataloader",
+        "function",
+        "a train loader rebuilt with another sampler (data.py)",
+        ("dataloader", "sampler"),
+    ),
+    PrivateName(
+        "lightning.fabric.wrappers:_FabricDataLoader",
+        "_num_iter_calls",
+        "attribute",
+        "the epoch Fabric gives the sampler at each pass, restored by resume_fabric_dataloader (data.py)",
+    ),
+    PrivateName(
+        "lightning.fabric.wrappers:_FabricDataLoader",
+        "_dataloader",
+        "attribute",
+        "the loader Fabric wraps, replaced by resume_fabric_dataloader (data.py)",
+    ),
+    PrivateName(
+        "lightning.fabric.utilities.distributed:_DatasetSamplerWrapper",
+        "_sampler",
+        "attribute",
+        "the sampler a DistributedSamplerWrapper shards (data.py)",
+    ),
+    PrivateName(
+        "lightning.fabric.fabric:Fabric._get_distributed_sampler",
+        "isinstance(dataloader.sampler, (RandomSampler, SequentialSampler))",
+        "marker",
+        "Fabric wraps a sampler of another class (torchdata's RandomSampler) instead of reshuffling by seed (data.py)",
+    ),
+    PrivateName(
+        "lightning.pytorch.trainer.connectors.data_connector:_get_distributed_sampler",
+        "isinstance(dataloader.sampler, (RandomSampler, SequentialSampler))",
+        "marker",
+        "the Trainer wraps torchdata's RandomSampler likewise (data.py)",
+    ),
     # torch
     PrivateName(
         "torch.optim.lr_scheduler", "_wrapped_by_lr_sched", "marker", "set on the adopted optimizer's step (adoption)"
@@ -392,6 +429,51 @@ def lightning_remove_module_hooks(model: torch.nn.Module) -> None:
     remove_module_hooks(model)
 
 
+def lightning_update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """``dataloader`` re-instantiated with ``sampler``, as Lightning does when it injects its distributed sampler."""
+    from lightning.fabric.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)
+
+
+def wrapped_sampler(sampler: Any) -> Any | None:
+    """The sampler a Lightning ``DistributedSamplerWrapper`` shards, or ``None`` for any other sampler."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    if not isinstance(sampler, DistributedSamplerWrapper):
+        return None
+    return _read(sampler.dataset, "_sampler", "the wrapped sampler")
+
+
+def fabric_dataloader(loader: Any) -> Any:
+    """The ``DataLoader`` inside Fabric's wrapper ``loader`` (what ``fabric.setup_dataloaders`` returned)."""
+    from lightning.fabric.wrappers import _FabricDataLoader
+
+    if not isinstance(loader, _FabricDataLoader):
+        raise TypeError(f"expected what `fabric.setup_dataloaders` returns, got `{type(loader).__name__}`")
+    return _read(loader, "_dataloader", "the wrapped loader")
+
+
+def set_fabric_dataloader(loader: Any, dataloader: Any, *, passes: int) -> None:
+    """Make Fabric's wrapper ``loader`` wrap ``dataloader`` and count ``passes`` passes made: Fabric sets the sampler's
+    epoch to that count at the start of each pass."""
+    _read(loader, "_num_iter_calls", "the passes Fabric counts")
+    loader._dataloader = dataloader
+    loader._num_iter_calls = passes
+
+
+def lightning_fit_position(trainer: Any) -> tuple[int, int] | None:
+    """``(epoch, batches of it already fetched)`` when ``trainer`` is restarting a fit from a checkpoint, else ``None``.
+
+    Read while the train loader is set up (``Strategy.process_dataloader``): the loops' progress is restored then, and
+    the epoch is the value Lightning passes to ``set_epoch``.
+    """
+    fit_loop = trainer.fit_loop
+    if not fit_loop.restarting:
+        return None
+    return int(fit_loop.epoch_progress.current.processed), int(fit_loop.epoch_loop.batch_progress.current.ready)
+
+
 # ------------------------------------------------------------------------------------------------------ torch
 def mark_step_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
     """Wrap ``optimizer.step`` as torch's ``LRScheduler`` does for the optimizer it is built on.
@@ -429,12 +511,17 @@ __all__ = [
     "alias_bf16_master_partitions",
     "cpp_extension_build_directory",
     "engine_skipped_steps",
+    "fabric_dataloader",
+    "lightning_fit_position",
     "lightning_remove_module_hooks",
+    "lightning_update_dataloader",
     "mark_step_for_lr_scheduler",
     "resolve",
     "set_deepspeed_accelerator",
+    "set_fabric_dataloader",
     "source_fingerprint",
     "use_cpu_deepspeed_accelerator_if_no_cuda",
+    "wrapped_sampler",
     "zero3_grad_partition_buffer",
     "zero3_inner_optimizer",
     "zero3_master_partitions",

@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
+from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.options import OptimizerOptions, check_zero3_arguments
 from lightning_pure_bf16.precision import PureBF16FabricPrecision
 
@@ -196,6 +197,13 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             self._config_initialized = True
 
     # ----------------------------------------------------------------------------------------------------- setup
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # A shuffled torchdata loader gets a seeded order (data.py says why); the loop resumes its own position.
+        return prepare_dataloader(
+            super().process_dataloader(dataloader), who=f"Fabric(strategy='{self.strategy_name}')"
+        )
+
     @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any = None

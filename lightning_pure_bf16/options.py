@@ -41,7 +41,7 @@ def check_choice(who: str, name: str, value: Any, choices: Collection[Any]) -> N
 
 
 def check_seed(who: str, seed: Any) -> None:
-    """A seed is a non-negative int or ``None`` (the optimizer then derives one from ``torch.initial_seed()``)."""
+    """A seed is a non-negative int or ``None`` (the optimizer then draws one from torch's generator)."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"`{who}(seed={seed!r})`: the seed must be a non-negative int or None.")
 

@@ -31,6 +31,7 @@ from typing_extensions import override
 from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
+from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.optim.adamw import AdamW
 from lightning_pure_bf16.options import (
     STATE_DIR_ENV,
@@ -51,7 +52,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         rounding: ``"stochastic"``, ``"kahan"`` or ``"nearest"``; used when the strategy converts a torch optimizer
             (default: ``"stochastic"``).
         seed: base seed of the rounding noise; each rank derives its own (default: ``None``, the optimizer's default,
-            from ``torch.initial_seed()``).
+            drawn from torch's default generator).
         backend: optimizer backend, ``"auto"``, ``"triton"``, ``"cpu"`` or ``"torch"`` (default: ``"auto"``).
         stage: ZeRO stage; only ``3`` is supported (stages 1 and 2 keep a separate master copy) (default: ``3``).
         config: a DeepSpeed config dict or JSON path merged over the strategy's own settings; settings that
@@ -293,6 +294,15 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
         core.after_engine_setup(self.deepspeed_engine, self.strategy_name)
+
+    # ------------------------------------------------------------------------------------------------------- data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Lightning's sampler injection is done: a shuffled torchdata loader gets a seeded order, and a fit resumed
+        # mid-epoch goes on with the next batch instead of replaying the epoch's first ones (data.py says why).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        who = f"Trainer(strategy='{self.strategy_name}')"
+        return prepare_dataloader(super().process_dataloader(dataloader), who=who, trainer=trainer)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from lightning_pure_bf16 import Adam, AdamW
-from lightning_pure_bf16.optim.adamw import default_seed
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -208,15 +207,47 @@ def test_optimizers_with_default_seeds_draw_different_noise():
     assert not torch.equal(params[0], params[1]) and not torch.equal(params[1], params[2])
 
 
-def test_default_seed_follows_torch_manual_seed_without_drawing():
-    torch.manual_seed(42)
-    state = torch.get_rng_state()
-    s1 = default_seed()
-    assert torch.equal(state, torch.get_rng_state()), "deriving the seed consumed global RNG state"
-    torch.manual_seed(42)
-    assert default_seed() == s1
-    torch.manual_seed(43)
-    assert default_seed() != s1
+def _train_from_seed(seed: int, steps: int = 3) -> list[torch.Tensor]:
+    params = list(_model().parameters())
+    torch.manual_seed(seed)
+    opt = AdamW(params, lr=1e-3)
+    for i in range(steps):
+        _step(params, opt, i)
+    return [_bits(p) for p in params] + [_bits(opt.state[p]["exp_avg"]) for p in params]
+
+
+def test_reseeding_torch_in_one_process_repeats_the_run_bit_for_bit():
+    first, again = _train_from_seed(0), _train_from_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    other = _train_from_seed(1)
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+
+
+def test_a_default_seed_is_one_draw_from_torchs_generator_and_an_explicit_one_draws_nothing():
+    params = [torch.ones(8, dtype=torch.bfloat16, requires_grad=True)]
+    torch.manual_seed(7)
+    s1 = AdamW(params).seed
+    after_default = torch.get_rng_state()
+    torch.manual_seed(7)
+    torch.empty((), dtype=torch.int64).random_()
+    assert torch.equal(after_default, torch.get_rng_state()), "building should draw exactly one int64"
+    torch.manual_seed(7)
+    assert AdamW(params).seed == s1
+    before = torch.get_rng_state()
+    assert AdamW(params, seed=5).seed == 5
+    assert torch.equal(before, torch.get_rng_state()), "an explicit seed consumed global RNG state"
+
+
+def test_a_loaded_state_dict_keeps_its_seed_over_a_drawn_one():
+    params = list(_model().parameters())
+    torch.manual_seed(0)
+    saved = AdamW(params)
+    _step(params, saved, 0)
+    torch.manual_seed(1)
+    loaded = AdamW(params)
+    assert loaded.seed != saved.seed
+    loaded.load_state_dict(saved.state_dict())
+    assert loaded.seed == saved.seed
 
 
 def test_streams_and_seed_survive_a_resume():

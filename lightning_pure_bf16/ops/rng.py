@@ -64,22 +64,13 @@ def stream_key(seed: int, param_index: int, step: int, buffer: int) -> int:
     return k & KEY_MASK
 
 
-def derive_seed(seed: int, salt: int) -> int:
-    """A 64-bit seed derived from ``seed`` and ``salt`` (say, the n-th optimizer of a process), independent of both."""
-    lo = mix32((seed & MASK32) ^ mix32(salt & MASK32))
-    hi = mix32(((seed >> 32) & MASK32) ^ mix32((salt ^ 0x9E3779B9) & MASK32))
-    return (hi << 32) | lo
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A 63-bit seed drawn from ``generator`` (default: torch's default CPU generator), like any torch random op.
 
-
-def default_seed() -> int:
-    """The seed of the first optimizer a process makes with ``seed=None`` (later ones derive theirs from it with
-    :func:`derive_seed`): from ``torch.initial_seed()``, without drawing from any generator.
-
-    So ``lightning.seed_everything(s)`` or ``torch.manual_seed(s)`` makes the rounding reproducible, and the user's
-    random stream (dropout, data order) is the same as with ``torch.optim.AdamW``.
+    So ``torch.manual_seed(s)`` or ``lightning.seed_everything(s)`` before building decides the seed, in one process
+    or in two, and seeds drawn one after the other differ. The draw advances the generator by one 64-bit value.
     """
-    s = torch.initial_seed()
-    return (mix32(s & 0xFFFFFFFF) << 32) | mix32((s >> 32) ^ 0x5BD1E995)
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator))
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -135,8 +126,7 @@ def random_bits(key: int, start: int, local_index: torch.Tensor) -> torch.Tensor
 __all__ = [
     "Buffer",
     "block_key",
-    "default_seed",
-    "derive_seed",
+    "draw_seed",
     "element_bits",
     "mix32",
     "random_bits",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -27,7 +26,7 @@ from lightning_pure_bf16.ops.adamw_cpu import (
     fused_cpu_available,
 )
 from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
-from lightning_pure_bf16.ops.rng import Buffer, default_seed, derive_seed, random_bits, stream_key
+from lightning_pure_bf16.ops.rng import Buffer, draw_seed, random_bits, stream_key
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
     MmapStateStore,
@@ -72,21 +71,6 @@ _COPIED_ATTRIBUTES = (
 )
 
 
-# How many optimizers this process made with ``seed=None``, per ``torch.initial_seed()``: the n-th gets a seed of its
-# own, so optimizers built side by side (one per parameter, say) never draw the same rounding noise.
-_DEFAULT_SEED_USES: dict[int, int] = {}
-_DEFAULT_SEED_LOCK = threading.Lock()
-
-
-def _next_default_seed() -> int:
-    with _DEFAULT_SEED_LOCK:
-        initial = torch.initial_seed()
-        n = _DEFAULT_SEED_USES.get(initial, 0)
-        _DEFAULT_SEED_USES[initial] = n + 1
-    # The first keeps default_seed() itself.
-    return default_seed() if n == 0 else derive_seed(default_seed(), n)
-
-
 def _triton_update() -> Callable[..., None]:
     if not _TRITON_AVAILABLE:
         raise ModuleNotFoundError(
@@ -119,10 +103,11 @@ class AdamW(Optimizer):
             both moments stochastically; ``"kahan"`` keeps the part of the parameter update lost to rounding in a bf16
             compensation buffer (+2 bytes/param) and rounds the moments stochastically; ``"nearest"`` rounds
             everything to nearest-even, as other pure-bf16 optimizers do (small updates vanish).
-        seed: seed of the counter-based rounding noise, saved in ``state_dict()`` (default: ``None``: derived from
-            ``torch.initial_seed()`` and from how many optimizers this process made before with ``seed=None``, so a
-            script that seeds torch draws the same noise on every run, and no two optimizers draw the same noise).
-            Two optimizers given the same explicit seed draw the same noise for their n-th tensors.
+        seed: seed of the counter-based rounding noise, saved in ``state_dict()`` (default: ``None``: drawn from
+            torch's default generator, one 64-bit draw, as any torch random op would: the same ``torch.manual_seed``
+            before building gives the same noise, in one process or two, and optimizers built one after the other
+            draw different noise). Two optimizers given the same explicit seed draw the same noise for their n-th
+            tensors.
         backend: ``"triton"`` (one fused kernel per tensor, CUDA), ``"cpu"`` (one fused C++ loop per tensor, CPU,
             compiled once per machine when the first optimizer with bf16 CPU parameters is made, or ahead of time by
             ``python -m lightning_pure_bf16.build``), ``"torch"`` (chunked PyTorch, any device) or ``"auto"``: Triton
@@ -231,7 +216,7 @@ class AdamW(Optimizer):
             "rounding": rounding,
             "decoupled_weight_decay": self._decoupled_default,
         }
-        self.seed = _next_default_seed() if seed is None else seed
+        self.seed = draw_seed() if seed is None else seed
         self.backend = backend
         self.chunk_size = chunk_size
         self.skipped_steps = 0
@@ -881,4 +866,4 @@ def _check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_deca
     check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 
-__all__ = ["Adam", "AdamW", "default_seed"]
+__all__ = ["Adam", "AdamW"]

@@ -35,6 +35,68 @@ def record_clipping() -> list:
     return seen
 
 
+def fixed_batches(fabric, model, optimizer, scheduler, state, opts, accumulate):
+    """The same batch list every epoch, indexed by step: a resumed loop needs no data position."""
+    loader = fabric.setup_dataloaders(DataLoader(data(), batch_size=16 // accumulate, shuffle=False))
+    batches = list(loader)
+    if opts.get("resume"):
+        remainder = fabric.load(opts["resume"], state)
+        assert not remainder, remainder
+    losses, lrs, norms = [], [], []
+    for step in range(state["step"], opts.get("steps", 6)):
+        for micro in range(accumulate):
+            x, y = batches[(step * accumulate + micro) % len(batches)]
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = nn.functional.mse_loss(model(x).float(), y.float())
+                if fabric.global_rank == opts.get("nan_rank") and step == opts.get("nan_step", 2):
+                    loss = loss * float("nan")
+                fabric.backward(loss / accumulate)
+            losses.append(loss.item())
+        if opts.get("clip"):
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=opts["clip"])))
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        state["step"] = step + 1
+        if opts.get("save_at") == step + 1:
+            fabric.save(opts["save_path"], state)
+    return losses, lrs, norms, []
+
+
+def shuffled_epochs(fabric, model, optimizer, state, opts):
+    """Epochs of a shuffled loader, as a Fabric user writes them (Fabric sets the sampler's epoch at each pass); on
+    resume, ``resume_fabric_dataloader`` puts the loader at the checkpoint's epoch and batch."""
+    if opts.get("stateful_data"):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = fabric.setup_dataloaders(StatefulDataLoader(data(), batch_size=16, shuffle=True))
+        state["data"] = loader
+    else:
+        loader = fabric.setup_dataloaders(DataLoader(data(), batch_size=16, shuffle=True))
+    if opts.get("resume"):
+        remainder = fabric.load(opts["resume"], state)
+        assert not remainder, remainder
+        epoch, done = divmod(state["step"], len(loader))
+        lightning_pure_bf16.resume_fabric_dataloader(loader, epoch=epoch, batches_done=done)
+    losses, first_inputs = [], []
+    while state["step"] < opts["steps"]:
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x).float(), y.float())
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            first_inputs.append(float(x[0, 0]))
+            state["step"] += 1
+            if opts.get("save_at") == state["step"]:
+                fabric.save(opts["save_path"], state)
+            if state["step"] == opts["steps"]:
+                break
+    return losses, [], [], first_inputs
+
+
 def main(out: Path, opts: dict) -> None:
     clip_seen = record_clipping()
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
@@ -66,34 +128,13 @@ def main(out: Path, opts: dict) -> None:
         # Built on the optimizer fabric.setup returned, as with any torch optimizer.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     accumulate = opts.get("accumulate", 1)
-    loader = fabric.setup_dataloaders(DataLoader(data(), batch_size=16 // accumulate, shuffle=False))
-    batches = list(loader)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if scheduler is not None:
         state["scheduler"] = scheduler
-    if opts.get("resume"):
-        remainder = fabric.load(opts["resume"], state)
-        assert not remainder, remainder
-    losses, lrs, norms = [], [], []
-    for step in range(state["step"], opts.get("steps", 6)):
-        for micro in range(accumulate):
-            x, y = batches[(step * accumulate + micro) % len(batches)]
-            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
-                loss = nn.functional.mse_loss(model(x).float(), y.float())
-                if fabric.global_rank == opts.get("nan_rank") and step == opts.get("nan_step", 2):
-                    loss = loss * float("nan")
-                fabric.backward(loss / accumulate)
-            losses.append(loss.item())
-        if opts.get("clip"):
-            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=opts["clip"])))
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        optimizer.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-        state["step"] = step + 1
-        if opts.get("save_at") == step + 1:
-            fabric.save(opts["save_path"], state)
+    if opts.get("shuffle"):
+        losses, lrs, norms, first_inputs = shuffled_epochs(fabric, model, optimizer, state, opts)
+    else:
+        losses, lrs, norms, first_inputs = fixed_batches(fabric, model, optimizer, scheduler, state, opts, accumulate)
     strat = fabric.strategy
     engine = strat.model
     zero = engine.optimizer
@@ -131,6 +172,7 @@ def main(out: Path, opts: dict) -> None:
         "engine_global_steps": engine.global_steps,
         "ds_global_norm": float(engine.get_global_grad_norm() or 0.0),
         "step": state["step"],
+        "first_inputs": first_inputs,
     }
     torch.save(result, out / f"rank{fabric.global_rank}.pt")
     if torch.distributed.is_initialized():

@@ -172,9 +172,9 @@ def main(out: Path, opts: dict) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-        loader = StatefulDataLoader(data(), batch_size=16, shuffle=False)
+        loader = StatefulDataLoader(data(), batch_size=16, shuffle=bool(opts.get("shuffle")))
     else:
-        loader = DataLoader(data(), batch_size=16, shuffle=False)
+        loader = DataLoader(data(), batch_size=16, shuffle=bool(opts.get("shuffle")))
     if opts.get("init_weights"):
         from safetensors.torch import load_file
 
