@@ -1,5 +1,6 @@
-"""Mid-epoch resume with shuffled data: the resumed run trains on the batches the uninterrupted one did, bit for bit,
-with a plain ``DataLoader`` and torchdata's ``StatefulDataLoader``, through the Trainer and through Fabric."""
+"""Runs you can repeat. Mid-epoch resume with shuffled data: the resumed run trains on the batches the uninterrupted
+one did, bit for bit, with a plain ``DataLoader`` and torchdata's ``StatefulDataLoader``, through the Trainer and
+through Fabric. Two fits in one process after the same seed are the same run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _get_distributed
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_pure_bf16.data import distributed_sampler_by_seed, resume_dataloader
-from tests.strategy_runs import fit, load_ranks
+from tests.strategy_runs import fit, load_ranks, run_script
 from tests.test_fabric import fabric_run
 
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch. A checkpoint at step 12 is in the middle of the second epoch (the
@@ -142,3 +143,16 @@ def test_resume_fabric_dataloader_refuses_a_negative_position_and_a_loader_fabri
         resume_fabric_dataloader(loader, epoch=1, batches_done=0)
     with pytest.raises(ValueError, match="must be >= 0"):
         resume_fabric_dataloader(loader, epoch=-1, batches_done=0)
+
+
+# ------------------------------------------------------------------------------------------------- reseeded runs
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_two_fits_in_one_process_after_the_same_seed_are_bit_identical(tmp_path, front_end):
+    run_script("fit_twice.py", tmp_path, front_end)
+    first, second = (torch.load(tmp_path / n / "rank0.pt", weights_only=False) for n in ("first", "second"))
+    assert first["seed"] == second["seed"]
+    assert first["losses"] == second["losses"]
+    for x, y in zip(first["flat_params"], second["flat_params"]):
+        assert torch.equal(x, y)
+    for sa, sb in zip(first["state"].values(), second["state"].values()):
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])

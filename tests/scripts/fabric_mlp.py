@@ -175,7 +175,7 @@ def main(out: Path, opts: dict) -> None:
         "first_inputs": first_inputs,
     }
     torch.save(result, out / f"rank{fabric.global_rank}.pt")
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized() and not opts.get("keep_process_group"):
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

@@ -248,7 +248,7 @@ def main(out: Path, opts: dict) -> None:
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
     # An orderly shutdown: ranks leaving the gloo group one by one at interpreter exit can abort a process that is
     # still connected ("terminate called without an active exception"), failing a run that completed.
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized() and not opts.get("keep_process_group"):
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
