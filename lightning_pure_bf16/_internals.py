@@ -136,6 +136,19 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("dataloader", "sampler"),
     ),
     PrivateName(
+        "lightning.fabric.strategies.strategy",
+        "class _BackwardSyncControl",
+        "marker",
+        "the base of the Fabric strategy's no_backward_sync control (fabric.py)",
+    ),
+    PrivateName(
+        "lightning.fabric.wrappers",
+        "_unwrap_objects",
+        "function",
+        "Fabric's wrappers unwrapped (fabric.py)",
+        ("collection",),
+    ),
+    PrivateName(
         "lightning.fabric.wrappers:_FabricDataLoader",
         "_num_iter_calls",
         "attribute",
@@ -445,6 +458,13 @@ def wrapped_sampler(sampler: Any) -> Any | None:
     return _read(sampler.dataset, "_sampler", "the wrapped sampler")
 
 
+def fabric_unwrap(value: Any) -> Any:
+    """What Fabric's wrappers (``_FabricModule``, ``_FabricOptimizer``, ``_FabricDataLoader``) in ``value`` hold."""
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    return _unwrap_objects(value)
+
+
 def fabric_dataloader(loader: Any) -> Any:
     """The ``DataLoader`` inside Fabric's wrapper ``loader`` (what ``fabric.setup_dataloaders`` returned)."""
     from lightning.fabric.wrappers import _FabricDataLoader
@@ -472,6 +492,16 @@ def lightning_fit_position(trainer: Any) -> tuple[int, int] | None:
     if not fit_loop.restarting:
         return None
     return int(fit_loop.epoch_progress.current.processed), int(fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def _fabric_backward_sync_control() -> type:
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    return _BackwardSyncControl
+
+
+# The base class of a strategy's ``_backward_sync_control`` (what ``fabric.no_backward_sync`` calls).
+FabricBackwardSyncControl: type = _fabric_backward_sync_control()
 
 
 # ------------------------------------------------------------------------------------------------------ torch
@@ -505,6 +535,7 @@ def cpp_extension_build_directory(name: str) -> str:
 
 __all__ = [
     "COPIED_UPSTREAM",
+    "FabricBackwardSyncControl",
     "PRIVATE_NAMES",
     "PrivateName",
     "UpstreamChanged",
@@ -512,6 +543,7 @@ __all__ = [
     "cpp_extension_build_directory",
     "engine_skipped_steps",
     "fabric_dataloader",
+    "fabric_unwrap",
     "lightning_fit_position",
     "lightning_remove_module_hooks",
     "lightning_update_dataloader",

@@ -14,9 +14,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_pure_bf16._internals import mark_step_for_lr_scheduler
-from lightning_pure_bf16.ops.rng import rank_seed
-from lightning_pure_bf16.optim.adamw import Adam, AdamW
-from lightning_pure_bf16.options import TORCH_ONLY_GROUP_KEYS, OptimizerOptions, unsupported_torch_options
+from lightning_pure_bf16.optim import Adam, AdamW, rank_seed
+from lightning_pure_bf16.optim.options import TORCH_ONLY_GROUP_KEYS, OptimizerOptions, unsupported_torch_options
 
 ADOPTABLE = (torch.optim.AdamW, torch.optim.Adam)
 

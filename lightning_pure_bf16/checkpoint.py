@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lightning_pure_bf16.durable import fsync_path, fsync_tree
+
 MANIFEST = "pure_bf16_checkpoint.json"
 TAG = "checkpoint"
 FORMAT_VERSION = 1
@@ -35,27 +37,6 @@ class CheckpointError(RuntimeError):
 def staging_path(path: str | os.PathLike) -> Path:
     """Where a save to ``path`` is written before it is moved into place."""
     return Path(f"{os.fspath(path)}{_TMP_SUFFIX}")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(directory: str | os.PathLike, *, recursive: bool = True) -> None:
-    """fsync every file and directory under ``directory`` (and ``directory`` itself): their data and their names are
-    on the disk when this returns."""
-    directory = Path(directory)
-    if recursive:
-        for root, _, files in os.walk(directory, topdown=False):
-            for name in files:
-                _fsync(Path(root) / name)
-            _fsync(Path(root))
-    else:
-        _fsync(directory)
 
 
 def write_manifest(directory: Path, world_size: int, **info: Any) -> None:
@@ -73,7 +54,7 @@ def write_manifest(directory: Path, world_size: int, **info: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, directory / MANIFEST)
-    _fsync(directory)
+    fsync_path(directory)
 
 
 def commit_staged(path: str | os.PathLike) -> None:
@@ -87,12 +68,12 @@ def commit_staged(path: str | os.PathLike) -> None:
         _remove(old)
     if target.exists():
         os.replace(target, old)
-        _fsync(parent)
+        fsync_path(parent)
     os.replace(staged, target)
-    _fsync(parent)
+    fsync_path(parent)
     if old.exists():
         _remove(old)
-        _fsync(parent)
+        fsync_path(parent)
 
 
 def clear_staging(path: str | os.PathLike) -> None:
@@ -313,9 +294,9 @@ def save_state_dict(state: dict[str, torch.Tensor], output: str | os.PathLike) -
         save_file({k: v.contiguous().clone() for k, v in state.items()}, str(part))
     else:
         torch.save(state, part)
-    _fsync(part)
+    fsync_path(part)
     os.replace(part, output)
-    _fsync(output.absolute().parent)
+    fsync_path(output.absolute().parent)
     return output
 
 
@@ -324,7 +305,6 @@ __all__ = [
     "consolidate_checkpoint",
     "consolidate_optimizer_state",
     "export_universal_checkpoint",
-    "fsync_tree",
     "save_state_dict",
     "validate_checkpoint",
 ]

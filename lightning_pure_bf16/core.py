@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,14 @@ from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.checkpoint import TAG, CheckpointError, save_staged, tag_directory, validate_checkpoint
 from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
 from lightning_pure_bf16.memory import format_report, zero3_model_state_report
-from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
-from lightning_pure_bf16.optim.adamw import AdamW
-from lightning_pure_bf16.options import STATE_STORAGES, OptimizerOptions, check_choice, resolve_state_dir
+from lightning_pure_bf16.optim import AdamW, fused_cpu_available
+from lightning_pure_bf16.optim.options import (
+    STATE_DIR_ENV,
+    STATE_STORAGES,
+    OptimizerOptions,
+    check_choice,
+    resolve_state_dir,
+)
 from lightning_pure_bf16.repartition import (
     DEEPSPEED_KEYS,
     RepartitionError,
@@ -38,6 +43,25 @@ ACCEPTED_PRECISION = ("32-true", "bf16-true")
 # DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
 GPU_BUCKET = 200_000_000
 CPU_BUCKET = 5_000_000
+
+
+# The registered names, for the Trainer and for Fabric: (description, the strategy arguments they set).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepspeed_pure_bf16": ("DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding", {}),
+    "deepspeed_pure_bf16_kahan": ("DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation", {"rounding": "kahan"}),
+    "deepspeed_pure_bf16_int8": (
+        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments, stochastic rounding (6 bytes/param)",
+        {"moments": "int8"},
+    ),
+    "deepspeed_pure_bf16_int8_kahan": (
+        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments and an 8-bit Kahan remainder (7 bytes/param)",
+        {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
+    ),
+    "deepspeed_pure_bf16_mmap": (
+        f"DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or ${STATE_DIR_ENV})",
+        {"state_storage": "mmap"},
+    ),
+}
 
 
 def translate_precision(
@@ -334,8 +358,24 @@ class SkipCounter:
         return max(new, 0)
 
 
+def check_zero3_arguments(who: str, stage: int, kwargs: Mapping[str, Any]) -> None:
+    """Refuse front-end arguments that contradict pure bf16 on ZeRO-3 (a stage, offloading, ZeRO off)."""
+    if stage != 3:
+        raise ValueError(
+            f"`{who}(stage={stage})` is not supported: ZeRO stages 1 and 2 keep a separate master copy of the weights."
+            " Use `stage=3`."
+        )
+    for option in ("offload_optimizer", "offload_parameters"):
+        if kwargs.get(option):
+            raise ValueError(f"`{who}({option}=True)` is not supported: pure bf16 keeps all state on the device.")
+    if kwargs.get("zero_optimization") is False:
+        raise ValueError(f"`{who}(zero_optimization=False)` is not supported: it needs ZeRO stage 3.")
+
+
 __all__ = [
     "ACCEPTED_PRECISION",
+    "PRESETS",
+    "check_zero3_arguments",
     "PureBF16Settings",
     "SkipCounter",
     "after_engine_setup",

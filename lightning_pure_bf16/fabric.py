@@ -25,7 +25,6 @@ from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -35,11 +34,11 @@ from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
-from lightning_pure_bf16.options import OptimizerOptions, check_zero3_arguments
+from lightning_pure_bf16.optim.options import OptimizerOptions
 from lightning_pure_bf16.precision import PureBF16FabricPrecision
 
 
-class _EveryBackwardReduces(_BackwardSyncControl):
+class _EveryBackwardReduces(_internals.FabricBackwardSyncControl):
     """ZeRO-3 reduce-scatters every backward into each rank's gradient partition, where successive backwards add up:
     there is no synchronization to skip, so ``fabric.no_backward_sync`` accumulates correctly and changes nothing."""
 
@@ -95,7 +94,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         who = type(self).__name__
-        check_zero3_arguments(who, stage, kwargs)
+        core.check_zero3_arguments(who, stage, kwargs)
         OptimizerOptions(
             rounding=rounding, seed=seed, backend=backend, moments=moments, compensation=compensation
         ).check(who)
@@ -143,9 +142,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from lightning_pure_bf16.strategy import PRESETS
-
-        for name, (description, init_params) in PRESETS.items():
+        for name, (description, init_params) in core.PRESETS.items():
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     # -------------------------------------------------------------------------------------------------- precision
@@ -355,17 +352,17 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     def _engine_in(self, state: dict[str, Any], call: str) -> Any:
         from deepspeed import DeepSpeedEngine
 
-        engines = [v for v in state.values() if isinstance(_unwrap(v), DeepSpeedEngine)]
+        engines = [v for v in state.values() if isinstance(_internals.fabric_unwrap(v), DeepSpeedEngine)]
         if len(engines) != 1:
             raise ValueError(
                 f"`{call}(path, state)` with `{self.strategy_name}` needs exactly one model set up by"
                 f" `fabric.setup` in the state, found {len(engines)}: `{call}(path, {{'model': model, ...}})`."
             )
-        return _unwrap(engines[0])
+        return _internals.fabric_unwrap(engines[0])
 
     @staticmethod
     def _is_engine_or_optimizer(value: Any, engine: Any) -> bool:
-        inner = _unwrap(value)
+        inner = _internals.fabric_unwrap(value)
         return inner is engine or inner is engine.optimizer or inner is core.inner_optimizer(engine)
 
     # ------------------------------------------------------------------------------------------------ inspection
@@ -383,13 +380,6 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     def memory_report(self) -> dict[str, float]:
         """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers."""
         return core.memory_report(self._deepspeed_engine)
-
-
-def _unwrap(value: Any) -> Any:
-    # Fabric's wrappers (_FabricModule, _FabricOptimizer) hold the object they wrap.
-    from lightning.fabric.wrappers import _unwrap_objects
-
-    return _unwrap_objects(value)
 
 
 __all__ = ["DeepSpeedPureBF16FabricStrategy"]

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from lightning_pure_bf16 import _internals
-from lightning_pure_bf16.ops import quant
+from lightning_pure_bf16.durable import fsync_tree
+from lightning_pure_bf16.optim import quant
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -336,8 +337,6 @@ def export_universal(tag_dir: str | os.PathLike, output: str | os.PathLike, *, t
     staging directory, fsynced, and moved into place complete.
     """
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
-
-    from lightning_pure_bf16.checkpoint import fsync_tree
 
     ckpt = ZeroCheckpoint(tag_dir)
     output = Path(output)

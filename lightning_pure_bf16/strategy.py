@@ -33,11 +33,7 @@ from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.optim.adamw import AdamW
-from lightning_pure_bf16.options import (
-    STATE_DIR_ENV,
-    OptimizerOptions,
-    check_zero3_arguments,
-)
+from lightning_pure_bf16.optim.options import STATE_DIR_ENV, OptimizerOptions
 from lightning_pure_bf16.precision import PureBF16Precision
 
 _DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.8")
@@ -117,7 +113,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.8'`"
             )
         who = type(self).__name__
-        check_zero3_arguments(who, stage, kwargs)
+        core.check_zero3_arguments(who, stage, kwargs)
         OptimizerOptions(
             rounding=rounding, seed=seed, backend=backend, moments=moments, compensation=compensation
         ).check(who)
@@ -193,7 +189,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (description, init_params) in PRESETS.items():
+        for name, (description, init_params) in core.PRESETS.items():
             # override=True: importing the package twice (or reloading it) re-registers the same class harmlessly.
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
@@ -391,22 +387,4 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         return core.memory_report(self.deepspeed_engine)
 
 
-# The registered names, for the Trainer and for Fabric: (description, the strategy arguments they set).
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "deepspeed_pure_bf16": ("DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding", {}),
-    "deepspeed_pure_bf16_kahan": ("DeepSpeed ZeRO-3 in pure bf16 with Kahan compensation", {"rounding": "kahan"}),
-    "deepspeed_pure_bf16_int8": (
-        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments, stochastic rounding (6 bytes/param)",
-        {"moments": "int8"},
-    ),
-    "deepspeed_pure_bf16_int8_kahan": (
-        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments and an 8-bit Kahan remainder (7 bytes/param)",
-        {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
-    ),
-    "deepspeed_pure_bf16_mmap": (
-        f"DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or ${STATE_DIR_ENV})",
-        {"state_storage": "mmap"},
-    ),
-}
-
-__all__ = ["PRESETS", "STATE_DIR_ENV", "DeepSpeedPureBF16Strategy"]
+__all__ = ["STATE_DIR_ENV", "DeepSpeedPureBF16Strategy"]

@@ -8,7 +8,7 @@ import torch
 from lightning_pure_bf16 import Adam, AdamW, DeepSpeedPureBF16Strategy
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.ops.rng import rank_seed
-from lightning_pure_bf16.options import OptimizerOptions, check_seed, unsupported_torch_options
+from lightning_pure_bf16.optim.options import OptimizerOptions, check_seed, unsupported_torch_options
 
 WHO = "Trainer(strategy='deepspeed_pure_bf16')"
 

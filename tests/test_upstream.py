@@ -146,3 +146,33 @@ def test_master_aliasing_bug_and_fix():
         DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = saved
     # The comparison the fix is about is still there in the installed DeepSpeed.
     assert re.search(r"fp16_partitioned_groups_flat\[i\]\.device == self\.device", inspect.getsource(saved))
+
+
+UPSTREAM = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "deepspeed", "triton", "torchdata")
+
+
+def _private_upstream_imports(path: pathlib.Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in UPSTREAM:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] in UPSTREAM]
+        else:
+            continue
+        found += [f"{path.name}:{node.lineno} {n}" for n in names if any(p.startswith("_") for p in n.split("."))]
+    return found
+
+
+def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
+    offenders = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "_internals.py"
+        for hit in _private_upstream_imports(path)
+    ]
+    assert not offenders, f"private upstream names imported outside _internals.py: {offenders}"
+    # The check sees one when there is one.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from lightning.fabric.utilities.data import _update_dataloader\n")
+    assert _private_upstream_imports(probe) == ["probe.py:2 lightning.fabric.utilities.data._update_dataloader"]

@@ -1,5 +1,9 @@
-"""Pure-bf16 optimizers."""
+"""Pure-bf16 optimizers, and what the layers above use of the optimizer: per-rank seeds, whether the fused CPU loop
+is available, and the 8-bit state format's decoders (checkpoints decode saved 8-bit states)."""
 
+from lightning_pure_bf16.ops import quant
+from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
+from lightning_pure_bf16.ops.rng import rank_seed
 from lightning_pure_bf16.optim.adamw import Adam, AdamW
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "fused_cpu_available", "quant", "rank_seed"]

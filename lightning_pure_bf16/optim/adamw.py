@@ -33,7 +33,7 @@ from lightning_pure_bf16.optim.mmap_states import (
     StateStreamer,
     check_state_dir,
 )
-from lightning_pure_bf16.options import (
+from lightning_pure_bf16.optim.options import (
     BACKENDS,
     UNSUPPORTED_TORCH_OPTIONS,
     OptimizerOptions,

@@ -145,20 +145,6 @@ def resolve_state_dir(
     return os.fspath(path)
 
 
-def check_zero3_arguments(who: str, stage: int, kwargs: Mapping[str, Any]) -> None:
-    """Refuse front-end arguments that contradict pure bf16 on ZeRO-3 (a stage, offloading, ZeRO off)."""
-    if stage != 3:
-        raise ValueError(
-            f"`{who}(stage={stage})` is not supported: ZeRO stages 1 and 2 keep a separate master copy of the weights."
-            " Use `stage=3`."
-        )
-    for option in ("offload_optimizer", "offload_parameters"):
-        if kwargs.get(option):
-            raise ValueError(f"`{who}({option}=True)` is not supported: pure bf16 keeps all state on the device.")
-    if kwargs.get("zero_optimization") is False:
-        raise ValueError(f"`{who}(zero_optimization=False)` is not supported: it needs ZeRO stage 3.")
-
-
 __all__ = [
     "BACKENDS",
     "COMPENSATION_FORMATS",
@@ -172,7 +158,6 @@ __all__ = [
     "UNSUPPORTED_TORCH_OPTIONS",
     "check_choice",
     "check_seed",
-    "check_zero3_arguments",
     "resolve_state_dir",
     "unsupported_torch_options",
 ]
