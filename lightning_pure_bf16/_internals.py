@@ -129,6 +129,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.pytorch.utilities._pytree", "LeafSpec()", "marker", "origin of a warning _warnings.py filters"
     ),
     PrivateName(
+        "lightning.pytorch.trainer.connectors.data_connector",
+        "_parse_num_batches",
+        "function",
+        "the batches of a train epoch, as the fit loop counts them (data.py)",
+        ("stage", "length", "limit_batches"),
+    ),
+    PrivateName(
         "lightning.fabric.utilities.data",
         "_update_dataloader",
         "function",
@@ -482,16 +489,25 @@ def set_fabric_dataloader(loader: Any, dataloader: Any, *, passes: int) -> None:
     loader._num_iter_calls = passes
 
 
-def lightning_fit_position(trainer: Any) -> tuple[int, int] | None:
-    """``(epoch, batches of it already fetched)`` when ``trainer`` is restarting a fit from a checkpoint, else ``None``.
+def lightning_fit_position(trainer: Any, dataloader: Any) -> tuple[int, int] | None:
+    """``(epoch, batches of it already trained)`` when ``trainer`` is restarting a fit in the middle of an epoch of
+    the train loader ``dataloader``, else ``None`` (not restarting, or the saved epoch had trained all its batches:
+    Lightning then starts the next one).
 
     Read while the train loader is set up (``Strategy.process_dataloader``): the loops' progress is restored then, and
     the epoch is the value Lightning passes to ``set_epoch``.
     """
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
     fit_loop = trainer.fit_loop
     if not fit_loop.restarting:
         return None
-    return int(fit_loop.epoch_progress.current.processed), int(fit_loop.epoch_loop.batch_progress.current.ready)
+    done = int(fit_loop.epoch_loop.batch_progress.current.ready)
+    length = len(dataloader) if hasattr(dataloader, "__len__") else float("inf")
+    if done >= _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches):
+        return None
+    return int(fit_loop.epoch_progress.current.processed), done
 
 
 def _fabric_backward_sync_control() -> type:

@@ -154,7 +154,7 @@ def prepare_dataloader(dataloader: Any, *, who: str, trainer: Any | None = None)
     dataloader = distributed_sampler_by_seed(dataloader)
     if trainer is None or not trainer.training:
         return dataloader
-    position = lightning_fit_position(trainer)
+    position = lightning_fit_position(trainer, dataloader)
     if position is None:
         return dataloader
     epoch, batches_done = position

@@ -92,7 +92,7 @@ def test_failed_build_warns_and_falls_back(monkeypatch):
 
     monkeypatch.setattr(adamw_cpu, "_extension", None)
     monkeypatch.setattr(adamw_cpu, "_failure", None)
-    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", broken)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
     with pytest.warns(RuntimeWarning, match="did not compile.*no compiler here"):
         fallback = _run(AdamW, (50,), "stochastic", "auto", steps=2)
     monkeypatch.undo()
@@ -111,7 +111,7 @@ def test_a_compiler_without_openmp_builds_the_serial_loop(monkeypatch):
 
     monkeypatch.setattr(adamw_cpu, "_extension", None)
     monkeypatch.setattr(adamw_cpu, "_failure", None)
-    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_openmp)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_openmp)
     assert adamw_cpu.fused_cpu_available() and adamw_cpu._failure is None
     assert len(built) == 1 and built[0].endswith("_serial")
 
@@ -223,3 +223,18 @@ def test_the_avx2_loop_where_the_cpu_also_has_avx512():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-1000:]
+
+
+def test_the_hash_constants_have_one_source_and_the_loop_draws_rngs_bits():
+    # The C++ names the constants; ops/rng.py gives them (as defines), and nothing else does.
+    from lightning_pure_bf16.ops import rng
+
+    constants = {rng.MIX_MUL1, rng.MIX_MUL2}
+    for path in adamw_cpu.CSRC.glob("*.[ch]*"):
+        text = path.read_text().lower()
+        assert not any(f"{c:#x}" in text or str(c) in text for c in constants), path.name
+    assert f"-DMIX_MUL1={rng.MIX_MUL1:#x}u" in adamw_cpu.hash_defines()
+    # The loop hashes with them: one stochastic step draws the PyTorch path's bits (which ops/rng.py computes).
+    ours = _run(AdamW, (4099,), "stochastic", "cpu", steps=1)
+    reference = _run(AdamW, (4099,), "stochastic", "torch", steps=1)
+    assert all(torch.equal(x, y) for x, y in zip(ours, reference))

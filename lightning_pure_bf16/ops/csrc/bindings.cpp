@@ -1,0 +1,14 @@
+// The Python module of the fused CPU loop (built by ops/adamw_cpu.py with torch.utils.cpp_extension.load).
+#include <torch/extension.h>
+
+#include "adamw_cpu.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adamw_update_bf16", torch::wrap_pybind_function(adamw_update_bf16), "adamw_update_bf16");
+  m.def("adamw_update_q8", torch::wrap_pybind_function(adamw_update_q8), "adamw_update_q8");
+  m.def("any_nonfinite_bf16", torch::wrap_pybind_function(any_nonfinite_bf16), "any_nonfinite_bf16");
+  m.def("levels_8bit", torch::wrap_pybind_function(levels_8bit), "levels_8bit");
+  m.def("stochastic_round_sum_bf16", torch::wrap_pybind_function(stochastic_round_sum_bf16),
+        "stochastic_round_sum_bf16");
+  m.def("use_vector_loops", torch::wrap_pybind_function(use_vector_loops), "use_vector_loops");
+}
