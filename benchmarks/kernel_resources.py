@@ -34,7 +34,7 @@ from lightning_pure_bf16.ops import adamw_triton  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ARCHS = (80, 90)
-POINTERS = ("p_ptr", "g_ptr", "m_ptr", "v_ptr", "c_ptr")
+POINTERS = ("p_ptr", "g_ptr", "m_ptr", "v_ptr", "ms_ptr", "vs_ptr", "c_ptr")
 SCALARS = (
     "beta1",
     "one_minus_beta1",
@@ -48,9 +48,15 @@ SCALARS = (
 )
 
 
-def _signature(grad: str, ints: str) -> dict[str, str]:
+def _signature(grad: str, ints: str, q8m: bool = False, c8: bool = False) -> dict[str, str]:
     return {
-        **{name: f"*{grad}" if name == "g_ptr" else "*bf16" for name in POINTERS},
+        "p_ptr": "*bf16",
+        "g_ptr": f"*{grad}",
+        "m_ptr": "*i8" if q8m else "*bf16",
+        "v_ptr": "*u8" if q8m else "*bf16",
+        "ms_ptr": "*bf16",
+        "vs_ptr": "*bf16",
+        "c_ptr": "*i8" if c8 else "*bf16",
         "n_elements": ints,
         **dict.fromkeys(SCALARS, "fp32"),
         **dict.fromkeys(("key_p", "key_m", "key_v"), "i32"),
@@ -90,7 +96,13 @@ def compile_all(archs: tuple[int, ...]) -> list[dict]:
     grid = itertools.product(archs, adamw_triton._ROUNDING_CODES.items(), (True, False), ("bf16", "fp32"))
     for arch, (rounding, code), decoupled, grad in grid:
         for ints, aligned in itertools.product(("i32", "i64"), (True, False)):
-            constants = {"ROUNDING": code, "DECOUPLED": decoupled, "BLOCK": adamw_triton.BLOCK_SIZE}
+            constants = {
+                "ROUNDING": code,
+                "DECOUPLED": decoupled,
+                "Q8M": False,
+                "C8": False,
+                "BLOCK": adamw_triton.BLOCK_SIZE,
+            }
             signature = {**_signature(grad, ints), **dict.fromkeys(constants, "constexpr")}
             names = list(signature)
             # What Triton's launcher specialises on: pointers and the size divisible by 16.
@@ -111,24 +123,8 @@ def compile_all(archs: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def _q8_signature(ints: str, q8m: bool, c8: bool) -> dict[str, str]:
-    return {
-        "p_ptr": "*bf16",
-        "g_ptr": "*bf16",
-        "m_ptr": "*i8" if q8m else "*bf16",
-        "v_ptr": "*u8" if q8m else "*bf16",
-        "ms_ptr": "*bf16",
-        "vs_ptr": "*bf16",
-        "c_ptr": "*i8" if c8 else "*bf16",
-        "n_elements": ints,
-        **dict.fromkeys(SCALARS, "fp32"),
-        **dict.fromkeys(("key_p", "key_m", "key_v"), "i32"),
-        "index_offset": ints,
-    }
-
-
 def compile_q8(archs: tuple[int, ...]) -> list[dict]:
-    """The 8-bit-state kernel: every rounding with 8-bit moments, and Kahan's 8-bit remainder with either moment
+    """The kernel with 8-bit states: every rounding with 8-bit moments, and Kahan's 8-bit remainder with either moment
     format; bf16 gradients, aligned pointers."""
     rows = []
     variants = [(r, True, False) for r in adamw_triton._ROUNDING_CODES] + [
@@ -143,11 +139,11 @@ def compile_q8(archs: tuple[int, ...]) -> list[dict]:
             "C8": c8,
             "BLOCK": adamw_triton.BLOCK_SIZE,
         }
-        signature = {**_q8_signature(ints, q8m, c8), **dict.fromkeys(constants, "constexpr")}
+        signature = {**_signature("bf16", ints, q8m, c8), **dict.fromkeys(constants, "constexpr")}
         names = list(signature)
         pointers = [n for n in names if n.endswith("_ptr")]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, "n_elements")}
-        source = ASTSource(fn=adamw_triton._adamw_q8_kernel, signature=signature, constexprs=constants, attrs=attrs)
+        source = ASTSource(fn=adamw_triton._adamw_kernel, signature=signature, constexprs=constants, attrs=attrs)
         states = ("int8 moments" if q8m else "bf16 moments") + (", int8 remainder" if c8 else "")
         rows.append(
             {

@@ -214,6 +214,8 @@ class GPTModule(LightningModule):
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd))
         self.val_loss = MeanMetric()
+        # One window: Lightning's model summary measures the forward's FLOPs on it (without it, it prints 0).
+        self.example_input_array = torch.zeros(1, block_size, dtype=torch.long)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -53,6 +53,8 @@ def main() -> None:
         ),
         plugins=[PureBF16Precision(cpu_matmul=args.cpu_matmul)],
         max_steps=args.max_steps,
+        # The data module's epoch is exactly max_steps batches per process: one epoch (the progress bar says 0/0).
+        max_epochs=1,
         val_check_interval=max(1, args.max_steps // 3),
         limit_val_batches=16 if on_gpu else 4,
         num_sanity_val_steps=0,

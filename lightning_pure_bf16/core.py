@@ -9,9 +9,11 @@ checkpoint save and load (staged and durable; native or re-partitioned), and ski
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,29 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         {"state_storage": "mmap"},
     ),
 }
+
+
+@contextlib.contextmanager
+def process_group_destroyed_at_exit() -> Iterator[None]:
+    """Around a front end's process-group setup: a default process group created inside is destroyed at interpreter
+    exit, while Python is still whole; one that existed before (the user's) is left alone.
+
+    Without it the group lives until the interpreter's own teardown, where gloo's worker threads may still hold work
+    objects: a finished fit can then end in ``terminate called without an active exception`` (SIGABRT, exit 134),
+    rarely and more often under load (benchmarks/exit_stress.py counts it; pytorch/pytorch#190489). Lightning
+    registers the same for NCCL groups it creates itself, but the DeepSpeed strategies create theirs through DeepSpeed.
+    The group is not destroyed at ``teardown``: a second fit in the same process reuses it (DeepSpeed keeps handles to
+    it).
+    """
+    existed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    yield
+    if not existed and torch.distributed.is_available() and torch.distributed.is_initialized():
+        atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def translate_precision(
@@ -380,6 +405,7 @@ __all__ = [
     "SkipCounter",
     "after_engine_setup",
     "on_cpu",
+    "process_group_destroyed_at_exit",
     "translate_precision",
     "device_rank",
     "init_zero3_optimizer_state",

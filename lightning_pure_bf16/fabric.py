@@ -182,13 +182,14 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
 
     @override
     def _setup_distributed(self) -> None:
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super()._setup_distributed()
-            return
-        # CPU devices carry no index, which Fabric's device-index validation rejects; there is nothing to validate.
-        reset_seed()
-        self._set_world_ranks()
-        self._init_deepspeed_distributed()
+        with core.process_group_destroyed_at_exit():
+            if isinstance(self.accelerator, CUDAAccelerator):
+                super()._setup_distributed()
+                return
+            # CPU devices carry no index, which Fabric's device-index validation rejects; nothing to validate.
+            reset_seed()
+            self._set_world_ranks()
+            self._init_deepspeed_distributed()
         if not self._config_initialized:
             self._format_config()
             self._config_initialized = True

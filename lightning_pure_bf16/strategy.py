@@ -231,13 +231,14 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def setup_distributed(self) -> None:
         assert self.parallel_devices is not None
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super().setup_distributed()
-            return
-        # CPU devices carry no index, which Lightning's device-index validation rejects; there is nothing to validate.
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        with core.process_group_destroyed_at_exit():
+            if isinstance(self.accelerator, CUDAAccelerator):
+                super().setup_distributed()
+                return
+            # CPU devices carry no index, which Lightning's device-index validation rejects; nothing to validate.
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
 
     @override
     def _setup_model_and_optimizer(

@@ -83,13 +83,14 @@ def runs(tmp_path_factory):
     """Stochastic rounding plain; Kahan with a scheduler, clipping, accumulation of 2, an inf/NaN step on rank 0 and a
     checkpoint at step 4; the same resumed from that checkpoint."""
     plain = tmp_path_factory.mktemp("fabric_plain")
-    fabric_run(plain, devices=2, steps=4, exact=True)
+    fabric_run(plain, devices=2, steps=4, exact=True, record_exit=True)
     whole = tmp_path_factory.mktemp("fabric_whole")
     ckpt = whole / "step4.ckpt"
     fabric_run(whole, strategy={"rounding": "kahan"}, exact=True, save_at=4, save_path=str(ckpt), **RUN)
     resumed = tmp_path_factory.mktemp("fabric_resumed")
     fabric_run(resumed, strategy={"rounding": "kahan"}, exact=True, resume=str(ckpt), **RUN)
-    return load_ranks(plain), load_ranks(whole), load_ranks(resumed), ckpt
+    exits = [(plain / f"exit_rank{r}.txt").read_text() for r in range(2)]
+    return load_ranks(plain), load_ranks(whole), load_ranks(resumed), ckpt, exits
 
 
 def _state_buffers(rank: dict) -> list[tuple[str, torch.dtype, int]]:
@@ -99,7 +100,7 @@ def _state_buffers(rank: dict) -> list[tuple[str, torch.dtype, int]]:
 
 
 def test_fabric_loop_holds_8_bytes_per_param_and_10_with_kahan(runs):
-    plain, whole, _, _ = runs
+    plain, whole, _, _, _ = runs
     for rank in plain:
         assert rank["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
         assert rank["precision"] == "PureBF16FabricPrecision"
@@ -110,14 +111,14 @@ def test_fabric_loop_holds_8_bytes_per_param_and_10_with_kahan(runs):
 
 
 def test_independent_walk_of_zero_buffers_agrees(runs):
-    plain, whole, _, _ = runs
+    plain, whole, _, _, _ = runs
     for rank in plain + whole:
         walked = sum(b for _, _, b in _state_buffers(rank)) / rank["memory_report"]["params_on_rank"]
         assert walked == pytest.approx(rank["memory_report"]["total"], rel=0.01), _state_buffers(rank)
 
 
 def test_torch_adamw_is_adopted_with_its_groups_and_a_scheduler_on_the_returned_optimizer(runs):
-    _, whole, _, _ = runs
+    _, whole, _, _, _ = runs
     for rank in whole:
         assert rank["optimizer_class"] == "AdamW" and rank["returned_is_inner"]
         assert rank["rounding"] == ["kahan", "kahan"] and rank["group_wd"] == [0.1, 0.0]
@@ -125,7 +126,7 @@ def test_torch_adamw_is_adopted_with_its_groups_and_a_scheduler_on_the_returned_
 
 
 def test_clipping_is_wired_and_returns_the_norm(runs):
-    _, whole, _, _ = runs
+    _, whole, _, _, _ = runs
     for rank in whole:
         norms = rank["norms"]
         assert len(norms) == 8
@@ -139,14 +140,14 @@ def test_clipping_is_wired_and_returns_the_norm(runs):
 
 
 def test_accumulation_steps_once_per_two_backwards(runs):
-    _, whole, _, _ = runs
+    _, whole, _, _, _ = runs
     for rank in whole:
         assert len(rank["losses"]) == 16  # 8 steps x 2 micro-batches
         assert rank["engine_global_steps"] == 8
 
 
 def test_nonfinite_gradient_on_one_rank_skips_on_both_and_is_counted(runs):
-    _, whole, _, _ = runs
+    _, whole, _, _, _ = runs
     for rank in whole:
         assert rank["skipped_steps"] == 1
         assert all(int(st["step"]) == 7 for st in rank["state"].values())
@@ -154,7 +155,7 @@ def test_nonfinite_gradient_on_one_rank_skips_on_both_and_is_counted(runs):
 
 
 def test_save_load_continue_equals_uninterrupted_bit_for_bit(runs):
-    _, whole, resumed, ckpt = runs
+    _, whole, resumed, ckpt, _ = runs
     assert (ckpt / MANIFEST).is_file()
     for a, b in zip(whole, resumed):
         assert b["step"] == a["step"] == 8
@@ -181,3 +182,7 @@ def test_an_optimizer_it_cannot_adopt_is_a_clear_error(tmp_path):
     proc = fabric_run(tmp_path, check=False, devices=1, steps=1, optimizer="sgd")
     assert proc.returncode != 0
     assert "Fabric(strategy='deepspeed_pure_bf16')" in proc.stderr and "SGD" in proc.stderr
+
+
+def test_the_process_group_the_strategy_made_is_destroyed_before_the_interpreter_finalizes(runs):
+    assert runs[4] == ["False", "False"]

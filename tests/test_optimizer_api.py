@@ -381,7 +381,7 @@ def test_triton_launch_checks_every_buffer():
         adamw_update_triton_(
             p, p.clone(), p.clone(), p.clone(), torch.zeros(128, dtype=p.dtype, device=device)[::2], args
         )
-    with pytest.raises(ValueError, match="`exp_avg` has 32 elements"):
+    with pytest.raises(ValueError, match="`exp_avg` has 32 elements, it needs 64"):
         adamw_update_triton_(p, p.clone(), p[:32].clone(), p.clone(), p.clone(), args)
     with pytest.raises(ValueError, match="needs bfloat16 `exp_avg_sq`"):
         adamw_update_triton_(p, p.clone(), p.clone(), p.float(), p.clone(), args)

@@ -24,10 +24,15 @@ EXACT = {"config": {"zero_optimization": {"stage3_param_persistence_threshold": 
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
+def default_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("default")
-    fit(out, devices=2, steps=8, scheduler=True, eval_loops=True)
-    return load_ranks(out)
+    fit(out, devices=2, steps=8, scheduler=True, eval_loops=True, record_exit=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_run(default_out):
+    return load_ranks(default_out)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +176,12 @@ def test_project_optimizer_passed_directly_is_used(tmp_path):
     fit(tmp_path, devices=1, steps=2, optimizer="pure")
     r = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert r["optimizer_class"] == "AdamW" and r["rounding"] == ["kahan", "kahan"]
+
+
+def test_the_process_group_the_strategy_made_is_destroyed_before_the_interpreter_finalizes(default_out):
+    # Left to the interpreter's own teardown, gloo's threads can abort a finished fit (benchmarks/exit_stress.py).
+    for rank in range(2):
+        assert (default_out / f"exit_rank{rank}.txt").read_text() == "False"
 
 
 def test_cpu_loop_is_ready_before_the_first_step(default_run):

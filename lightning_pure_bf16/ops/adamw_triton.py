@@ -116,88 +116,7 @@ def _adam_update(
     return m, v, delta
 
 
-@triton.jit(do_not_specialize=["key_p", "key_m", "key_v", "index_offset"])
-def _adamw_kernel(
-    p_ptr,
-    g_ptr,
-    m_ptr,
-    v_ptr,
-    c_ptr,
-    n_elements,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    eps,
-    weight_decay,
-    decay,
-    neg_step_size,
-    inv_bias_correction2_sqrt,
-    key_p,
-    key_m,
-    key_v,
-    index_offset,
-    ROUNDING: tl.constexpr,
-    DECOUPLED: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # int64 offsets: a ZeRO-3 flat partition can hold more than 2**31 elements.
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    # Random bits belong to the index in the whole tensor; index_offset is a multiple of BLOCK, so the block never
-    # crosses a 2**32 boundary and the high index word is one scalar (see ops.rng).
-    global_start = start + index_offset
-    hi = (global_start >> 32).to(tl.uint32)
-    lo = (global_start + tl.arange(0, BLOCK)).to(tl.uint32)
-
-    # Upcast to fp32: every intermediate in bf16 would round.
-    p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-    m, v, delta = _adam_update(
-        p,
-        g,
-        m,
-        v,
-        beta1,
-        one_minus_beta1,
-        beta2,
-        one_minus_beta2,
-        eps,
-        weight_decay,
-        decay,
-        neg_step_size,
-        inv_bias_correction2_sqrt,
-        DECOUPLED,
-    )
-
-    if ROUNDING == _ROUND_KAHAN:
-        c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        p_out = _nearest_round(p + (delta + c))
-        # The new remainder (old one, less what the write took, plus the update) is written with stochastic rounding
-        # of its exact sum: rounded to nearest, an update below half its own spacing would be lost every step.
-        c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, key_p, hi, lo)
-        tl.store(c_ptr + offsets, c_new, mask=mask)
-        m_out = _stochastic_round(m, key_m, hi, lo)
-        v_out = _stochastic_round(v, key_v, hi, lo)
-    elif ROUNDING == _ROUND_STOCHASTIC:
-        # SR of the exact p + delta: the fp32 sum would round away an update of 1e-7 of the weight.
-        p_out = _stochastic_round_sum(p, delta, key_p, hi, lo)
-        m_out = _stochastic_round(m, key_m, hi, lo)
-        v_out = _stochastic_round(v, key_v, hi, lo)
-    else:
-        p_out = _nearest_round(p + delta)
-        m_out = _nearest_round(m)
-        v_out = _nearest_round(v)
-    tl.store(p_ptr + offsets, p_out, mask=mask)
-    tl.store(m_ptr + offsets, m_out, mask=mask)
-    tl.store(v_ptr + offsets, v_out, mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------------- 8-bit states
+# ------------------------------------------------------------------------------------------------ 8-bit state codes
 # ops/quant.py specifies the codes; these are its operations, in its order, one rounding each.
 _QBLOCK: tl.constexpr = tl.constexpr(quant.QBLOCK)
 
@@ -250,8 +169,9 @@ def _residual_unit(p):
     return tl.where(e >= 16, normal, subnormal).to(tl.float32, bitcast=True)
 
 
+# ------------------------------------------------------------------------------------------------------- the kernel
 @triton.jit(do_not_specialize=["key_p", "key_m", "key_v", "index_offset"])
-def _adamw_q8_kernel(
+def _adamw_kernel(
     p_ptr,
     g_ptr,
     m_ptr,
@@ -279,7 +199,11 @@ def _adamw_q8_kernel(
     C8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # A tile of BLOCK // QBLOCK scale blocks (rows) of QBLOCK elements; index_offset is a multiple of BLOCK.
+    # One kernel for every state format: Q8M (8-bit moments with block scales) and C8 (an 8-bit Kahan remainder) are
+    # compile-time switches; with both off it reads and writes bf16 states only. A tile of BLOCK // QBLOCK scale
+    # blocks (rows) of QBLOCK elements. int64 offsets: a ZeRO-3 flat partition can hold more than 2**31 elements.
+    # index_offset is a multiple of BLOCK, so a tile never crosses a 2**32 boundary of the index and the high index
+    # word is one scalar (see ops.rng).
     NB: tl.constexpr = BLOCK // _QBLOCK
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rows = tl.arange(0, NB)
@@ -292,6 +216,7 @@ def _adamw_q8_kernel(
     block_ids = start // _QBLOCK + rows
     block_mask = block_ids * _QBLOCK < n_elements
 
+    # Upcast to fp32: every intermediate in bf16 would round.
     p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if Q8M:
@@ -335,9 +260,12 @@ def _adamw_q8_kernel(
         else:
             c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             p_out = _nearest_round(p + (delta + c))
+            # The new remainder (old one, less what the write took, plus the update) is written with stochastic
+            # rounding of its exact sum: rounded to nearest, an update below half its own spacing would be lost.
             c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, key_p, hi, lo)
             tl.store(c_ptr + offsets, c_new, mask=mask)
     elif ROUNDING == _ROUND_STOCHASTIC:
+        # SR of the exact p + delta: the fp32 sum would round away an update of 1e-7 of the weight.
         p_out = _stochastic_round_sum(p, delta, key_p, hi, lo)
     else:
         p_out = _nearest_round(p + delta)
@@ -358,65 +286,6 @@ def _adamw_q8_kernel(
     else:
         tl.store(m_ptr + offsets, _stochastic_round(m, key_m, hi, lo), mask=mask)
         tl.store(v_ptr + offsets, _stochastic_round(v, key_v, hi, lo), mask=mask)
-
-
-def _adamw_update_q8_triton_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    kahan_comp: torch.Tensor | None,
-    args: UpdateArgs,
-    exp_avg_scale: torch.Tensor | None,
-    exp_avg_sq_scale: torch.Tensor | None,
-    index_offset: int,
-) -> None:
-    n = param.numel()
-    q8m = exp_avg_scale is not None
-    c8 = args.rounding == "kahan" and kahan_comp is not None and kahan_comp.dtype == torch.int8
-    expected = {
-        "param": (param, torch.bfloat16, n),
-        "grad": (grad, None, n),
-        "exp_avg": (exp_avg, torch.int8 if q8m else torch.bfloat16, n),
-        "exp_avg_sq": (exp_avg_sq, torch.uint8 if q8m else torch.bfloat16, n),
-    }
-    if q8m:
-        blocks = quant.scale_blocks(n)
-        expected["exp_avg_scale"] = (exp_avg_scale, torch.bfloat16, blocks)
-        expected["exp_avg_sq_scale"] = (exp_avg_sq_scale, torch.bfloat16, blocks)
-    if args.rounding == "kahan":
-        expected["kahan_comp"] = (kahan_comp, torch.int8 if c8 else torch.bfloat16, n)
-    for name, (t, dtype, numel) in expected.items():
-        if t is None or not t.is_contiguous() or t.numel() != numel or t.device != param.device:
-            raise ValueError(
-                f"The Triton AdamW kernel: `{name}` must be a contiguous tensor of {numel} elements on {param.device}."
-            )
-        if dtype is not None and t.dtype != dtype:
-            raise ValueError(f"The Triton AdamW kernel needs {dtype} `{name}`, got {t.dtype}.")
-    grid = (triton.cdiv(n, BLOCK_SIZE),)
-    with torch.cuda.device(param.device) if param.is_cuda else nullcontext():
-        _adamw_q8_kernel[grid](
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            exp_avg_scale if q8m else param,
-            exp_avg_sq_scale if q8m else param,
-            kahan_comp if kahan_comp is not None else param,
-            n,
-            *args.scalars,
-            args.keys[0],
-            args.keys[1],
-            args.keys[2],
-            index_offset,
-            ROUNDING=_ROUNDING_CODES[args.rounding],
-            DECOUPLED=args.decoupled,
-            Q8M=q8m,
-            C8=c8,
-            BLOCK=BLOCK_SIZE,
-            num_warps=NUM_WARPS,
-            enable_fp_fusion=False,
-        )
 
 
 def adamw_update_triton_(
@@ -445,24 +314,33 @@ def adamw_update_triton_(
         raise ValueError(f"`index_offset={index_offset}` must be a non-negative multiple of {BLOCK_SIZE}.")
     if args.rounding == "kahan" and kahan_comp is None:
         raise ValueError("`rounding='kahan'` needs the compensation buffer.")
-    if exp_avg_scale is not None or (args.rounding == "kahan" and kahan_comp.dtype == torch.int8):  # type: ignore[union-attr]
-        _adamw_update_q8_triton_(
-            param, grad, exp_avg, exp_avg_sq, kahan_comp, args, exp_avg_scale, exp_avg_sq_scale, index_offset
-        )
-        return
-    buffers = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    if args.rounding == "kahan":
-        buffers["kahan_comp"] = kahan_comp  # type: ignore[assignment]
+    q8m = exp_avg_scale is not None
+    c8 = args.rounding == "kahan" and kahan_comp is not None and kahan_comp.dtype == torch.int8
     # The kernel indexes raw pointers: every buffer must match the parameter's size and device and be contiguous.
-    for name, t in buffers.items():
+    expected: dict[str, tuple[torch.Tensor | None, torch.dtype | None, int]] = {
+        "param": (param, torch.bfloat16, n),
+        "grad": (grad, None, n),
+        "exp_avg": (exp_avg, torch.int8 if q8m else torch.bfloat16, n),
+        "exp_avg_sq": (exp_avg_sq, torch.uint8 if q8m else torch.bfloat16, n),
+    }
+    if q8m:
+        blocks = quant.scale_blocks(n)
+        expected["exp_avg_scale"] = (exp_avg_scale, torch.bfloat16, blocks)
+        expected["exp_avg_sq_scale"] = (exp_avg_sq_scale, torch.bfloat16, blocks)
+    if args.rounding == "kahan":
+        expected["kahan_comp"] = (kahan_comp, torch.int8 if c8 else torch.bfloat16, n)
+    for name, (t, dtype, numel) in expected.items():
+        if t is None:
+            raise ValueError(f"The Triton AdamW kernel needs `{name}`.")
         if not t.is_contiguous():
             raise ValueError(f"The Triton AdamW kernel needs contiguous buffers; `{name}` is not.")
-        if t.numel() != n:
-            raise ValueError(f"The Triton AdamW kernel: `{name}` has {t.numel()} elements, the parameter {n}.")
+        if t.numel() != numel:
+            raise ValueError(f"The Triton AdamW kernel: `{name}` has {t.numel()} elements, it needs {numel}.")
         if t.device != param.device:
             raise ValueError(f"The Triton AdamW kernel: `{name}` is on {t.device}, the parameter on {param.device}.")
-        if name != "grad" and t.dtype != torch.bfloat16:
-            raise ValueError(f"The Triton AdamW kernel needs bfloat16 `{name}`, got {t.dtype}.")
+        if dtype is not None and t.dtype != dtype:
+            want, got = (str(d).removeprefix("torch.") for d in (dtype, t.dtype))
+            raise ValueError(f"The Triton AdamW kernel needs {want} `{name}`, got {got}.")
     grid = (triton.cdiv(n, BLOCK_SIZE),)
     # Launch on the parameter's GPU, not the current one (a multi-GPU process may have another one current).
     with torch.cuda.device(param.device) if param.is_cuda else nullcontext():
@@ -471,6 +349,8 @@ def adamw_update_triton_(
             grad,
             exp_avg,
             exp_avg_sq,
+            exp_avg_scale if q8m else param,
+            exp_avg_sq_scale if q8m else param,
             kahan_comp if kahan_comp is not None else param,
             n,
             *args.scalars,
@@ -480,6 +360,8 @@ def adamw_update_triton_(
             index_offset,
             ROUNDING=_ROUNDING_CODES[args.rounding],
             DECOUPLED=args.decoupled,
+            Q8M=q8m,
+            C8=c8,
             BLOCK=BLOCK_SIZE,
             num_warps=NUM_WARPS,
             # No fused multiply-add: each product rounded on its own, exactly as the PyTorch and CPU paths do.

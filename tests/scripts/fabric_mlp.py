@@ -98,6 +98,10 @@ def shuffled_epochs(fabric, model, optimizer, state, opts):
 
 
 def main(out: Path, opts: dict) -> None:
+    if opts.get("record_exit"):
+        from fit_mlp import _record_process_group_at_exit
+
+        _record_process_group_at_exit(out)
     clip_seen = record_clipping()
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
     if opts.get("exact"):
@@ -175,9 +179,6 @@ def main(out: Path, opts: dict) -> None:
         "first_inputs": first_inputs,
     }
     torch.save(result, out / f"rank{fabric.global_rank}.pt")
-    if torch.distributed.is_initialized() and not opts.get("keep_process_group"):
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,6 @@ if __name__ == "__main__":
     for name in ("first", "second"):
         (out / name).mkdir(parents=True, exist_ok=True)
         if front_end == "trainer":
-            fit_mlp.main(out / name, {"devices": 1, "steps": 4, "keep_process_group": True})
+            fit_mlp.main(out / name, {"devices": 1, "steps": 4})
         else:
-            fabric_mlp.main(out / name, {"devices": 1, "steps": 4, "keep_process_group": True})
+            fabric_mlp.main(out / name, {"devices": 1, "steps": 4})
