@@ -73,6 +73,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_STAGE3, "sub_group_to_group_id", "attribute", "maps each flat partition to its param group"),
     PrivateName(_STAGE3, "grad_partitions_flat_buffer", "attribute", "the gradient partition (memory report)"),
     PrivateName(_STAGE3, "optimizer", "attribute", "the wrapped pure-bf16 optimizer"),
+    PrivateName(
+        _STAGE3,
+        "_prepare_fp32_grad_for_sub_group",
+        "method",
+        "replaced per engine: the sub-group's gradient as a view, not a flattened copy",
+        ("self", "sub_group_id"),
+    ),
+    PrivateName(_STAGE3, "averaged_gradients", "attribute", "each sub-group's gradient partitions (views)"),
     PrivateName(_STAGE3, "fp16_groups", "attribute", "each sub-group's parameters in partition order (repartition)"),
     PrivateName(_STAGE3, "param_names", "attribute", "each parameter's name (repartition)"),
     PrivateName(_STAGE3, "clip_grad", "attribute", "the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)"),
@@ -228,6 +236,10 @@ COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
         "ours": "strategy.py DeepSpeedPureBF16Strategy._initialize_deepspeed_inference (bf16 and ZeRO-3 only)",
         "tested": {"lightning 2.6.0, 2.6.6": "2a71e4bda7726455"},
     },
+    f"{_STAGE3}._prepare_fp32_grad_for_sub_group": {
+        "ours": "_internals.view_sub_group_gradients (the same result without the flattened copy)",
+        "tested": {"deepspeed 0.19.8": "f2043b8097292754"},
+    },
     "torch.optim.lr_scheduler:LRScheduler.__init__.patch_track_step_called": {
         "ours": "_internals.mark_step_for_lr_scheduler",
         "tested": {"torch 2.13": "94239865ea263df3"},
@@ -335,6 +347,48 @@ def alias_bf16_master_partitions() -> Iterator[None]:
         yield
     finally:
         DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = original
+
+
+def _gradient_view(grads: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor | None:
+    """One view of ``buffer`` covering ``grads`` when they are consecutive views of it, in order; else ``None``."""
+    if not grads:
+        return None
+    storage = buffer.untyped_storage().data_ptr()
+    expected = grads[0].storage_offset()
+    for g in grads:
+        if g.untyped_storage().data_ptr() != storage or g.storage_offset() != expected or not g.is_contiguous():
+            return None
+        expected += g.numel()
+    return buffer.narrow(0, grads[0].storage_offset() - buffer.storage_offset(), expected - grads[0].storage_offset())
+
+
+def view_sub_group_gradients(zero_optimizer: Any) -> None:
+    """Give each sub-group its gradient as a view of ZeRO-3's gradient partition instead of a flattened copy.
+
+    ``_prepare_fp32_grad_for_sub_group`` flattens the sub-group's gradient partitions into a new tensor and casts it
+    to the master's dtype. Here the master is the bf16 parameter partition and the gradients are already consecutive
+    bf16 views of ``grad_partitions_flat_buffer``, so the copy (2 bytes per parameter of the sub-group, at the peak
+    of the step) holds the same values as a view. The view is used where that holds (same dtype, consecutive views,
+    every parameter trainable); anything else takes DeepSpeed's own path. Clipping then scales the gradient partition
+    in place, which the next backward overwrites (its first micro-step copies into the buffer). Replaced on this
+    optimizer instance only.
+    """
+    original = _read(zero_optimizer, "_prepare_fp32_grad_for_sub_group", "the sub-group gradient preparation")
+    buffer = _read(zero_optimizer, "grad_partitions_flat_buffer", "the gradient partition")
+    masters = _read(zero_optimizer, "fp32_partitioned_groups_flat", "the master partitions")
+    _read(zero_optimizer, "averaged_gradients", "each sub-group's gradient partitions")
+
+    def prepare(sub_group_id: int) -> None:
+        grads = zero_optimizer.averaged_gradients[sub_group_id]
+        master = masters[sub_group_id]
+        view = _gradient_view(grads, buffer) if buffer is not None and grads is not None else None
+        if view is None or view.dtype != master.dtype or view.numel() != master.numel():
+            original(sub_group_id)
+            return
+        master.grad = view
+        zero_optimizer.averaged_gradients[sub_group_id] = None
+
+    zero_optimizer._prepare_fp32_grad_for_sub_group = prepare
 
 
 def zero3_param_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
@@ -569,6 +623,7 @@ __all__ = [
     "set_fabric_dataloader",
     "source_fingerprint",
     "use_cpu_deepspeed_accelerator_if_no_cuda",
+    "view_sub_group_gradients",
     "wrapped_sampler",
     "zero3_grad_partition_buffer",
     "zero3_inner_optimizer",

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,14 @@ def process_group_destroyed_at_exit() -> Iterator[None]:
 
 
 def _destroy_process_group() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if not torch.distributed.is_initialized():
+        return
+    if torch.distributed.get_backend() == "gloo":
+        # Leave together, as far as a short wait allows: a rank that tears its connections down while another still
+        # uses them can abort that one. A rank that never comes (it crashed) costs this wait, not a hang.
+        with contextlib.suppress(RuntimeError):
+            torch.distributed.monitored_barrier(timeout=timedelta(seconds=30))
+    torch.distributed.destroy_process_group()
 
 
 def translate_precision(
@@ -265,8 +272,10 @@ def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
 
 
 def after_engine_setup(engine: Any, strategy_name: str) -> None:
-    """Allocate every sub-group's optimizer state now (a shortage shows at setup) and log the memory per parameter."""
+    """Allocate every sub-group's optimizer state now (a shortage shows at setup), give the step views of the gradient
+    partition instead of copies, and log the memory per parameter."""
     init_zero3_optimizer_state(engine.optimizer)
+    _internals.view_sub_group_gradients(engine.optimizer)
     optimizer = inner_optimizer(engine)
     report = memory_report(engine)
     rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))

@@ -26,7 +26,7 @@ EXACT = {"config": {"zero_optimization": {"stage3_param_persistence_threshold": 
 @pytest.fixture(scope="module")
 def default_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("default")
-    fit(out, devices=2, steps=8, scheduler=True, eval_loops=True, record_exit=True)
+    fit(out, devices=2, steps=8, scheduler=True, eval_loops=True, record_exit=True, record_grad_storage=True)
     return out
 
 
@@ -39,7 +39,17 @@ def default_run(default_out):
 def kahan_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("kahan")
     strategy = {**EXACT, "rounding": "kahan"}
-    fit(out, devices=2, steps=4, strategy=strategy, optimizer="torch_adam", clip=0.5, accumulate=2, freeze_first=True)
+    fit(
+        out,
+        devices=2,
+        steps=4,
+        strategy=strategy,
+        optimizer="torch_adam",
+        clip=0.5,
+        accumulate=2,
+        freeze_first=True,
+        record_grad_storage=True,
+    )
     return load_ranks(out)
 
 
@@ -182,6 +192,13 @@ def test_the_process_group_the_strategy_made_is_destroyed_before_the_interpreter
     # Left to the interpreter's own teardown, gloo's threads can abort a finished fit (benchmarks/exit_stress.py).
     for rank in range(2):
         assert (default_out / f"exit_rank{rank}.txt").read_text() == "False"
+
+
+def test_the_step_updates_from_the_gradient_partition_itself_not_a_copy(default_run, kahan_run):
+    # DeepSpeed flattens each sub-group's gradient into a new tensor (2 bytes/param at the peak of the step); the
+    # strategy hands the optimizer a view of the partition. Kahan's run clips and accumulates: the view holds there too.
+    for r in default_run + kahan_run:
+        assert r["step_grad_is_partition_view"] and all(r["step_grad_is_partition_view"])
 
 
 def test_cpu_loop_is_ready_before_the_first_step(default_run):

@@ -140,6 +140,7 @@ def main(out: Path, opts: dict) -> None:
         set_accelerator(CUDA_Accelerator())
     if opts.get("record_exit"):
         _record_process_group_at_exit(out)
+    grad_storage = _record_step_gradient_storage() if opts.get("record_grad_storage") else None
     seed_everything(opts.get("seed", 1234), workers=True)
     model = MLP(opts)
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
@@ -236,6 +237,8 @@ def main(out: Path, opts: dict) -> None:
         preds = trainer.predict(model, DataLoader(data(32), batch_size=16))
         result["predict_shapes"] = [tuple(p.shape) for p in preds]
         result["predict_finite"] = all(bool(torch.isfinite(p.float()).all()) for p in preds)
+    if grad_storage is not None:
+        result["step_grad_is_partition_view"] = grad_storage
     if update_calls is not None:
         result["update_calls"] = list(update_calls)
         result["sub_groups"] = len(zero.fp16_groups)
@@ -249,6 +252,24 @@ def main(out: Path, opts: dict) -> None:
         result["full_state"] = full
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
     # Nothing is torn down here, as in a user's script: the strategy destroys the process group it made at exit.
+
+
+def _record_step_gradient_storage() -> list:
+    """At each sub-group's update: whether the gradient the optimizer gets is ZeRO-3's gradient partition itself (a
+    view) rather than a copy of it."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    seen = []
+    original = DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads
+
+    def recorded(self, sub_group_id, total_norm):
+        grad = self.fp32_partitioned_groups_flat[sub_group_id].grad
+        buffer = self.grad_partitions_flat_buffer
+        seen.append(grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
+        return original(self, sub_group_id, total_norm)
+
+    DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads = recorded
+    return seen
 
 
 def _record_process_group_at_exit(out: Path) -> None:
