@@ -1,0 +1,249 @@
+"""Memory by phase of a fit with ``Trainer(strategy="deepspeed_pure_bf16...")``: before setup, after setup (states
+allocated), between steps, and the peak inside a step, at two or more model sizes, and the peak's growth per
+parameter (the slope between sizes, so that fixed costs such as buckets and the CPU loop's build drop out).
+
+Each arm and size is a fresh 2-process fit (gloo, CPU) of a plain module of 8 bias-free d x d linear layers, batch 4,
+4 steps. Every rank samples its anonymous resident memory (``RssAnon``: file-backed pages, such as optimizer states
+in memory-mapped files, are not counted) from a thread every 0.2 ms; ``MALLOC_MMAP_THRESHOLD_`` is fixed so that
+freed large buffers go back to the system and resident memory follows live memory. A step's peak is the largest
+sample from the start of its batch to its end (steps 2-4; the first step builds what later steps reuse); the
+optimizer step's is from ``on_before_optimizer_step`` (after the backward) to the batch's end. Figures are the sum
+over both ranks.
+
+    python benchmarks/peak_memory.py              # d = 1024, 2048, 4096 (8.4M, 34M, 134M parameters)
+    python benchmarks/peak_memory.py --quick      # d = 512, 1024
+    python benchmarks/peak_memory.py --arms stochastic int8 --sizes 1024 2048
+
+Writes benchmarks/results/peak_memory{,_quick}.{csv,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+ARMS = {
+    "stochastic": {},
+    "kahan": {"rounding": "kahan"},
+    "int8": {"moments": "int8"},
+    "mmap": {"state_storage": "mmap"},
+}
+LAYERS, BATCH, STEPS = 8, 4, 4
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class _Sampler(threading.Thread):
+    """The largest RssAnon seen since the last :meth:`reset`."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def reset(self) -> int:
+        now = _rss_anon()
+        self.peak = now
+        return now
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_anon())
+            time.sleep(0.0002)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def worker(arm: str, d: int, out: Path) -> None:
+    """One fit; every rank writes its phases to ``out/rank{R}.json``."""
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+
+    sampler = _Sampler()
+    sampler.start()
+    phases: dict[str, float] = {"before_setup": sampler.reset()}
+    step_peaks: list[int] = []
+    opt_peaks: list[int] = []
+    between: list[int] = []
+
+    class Phases(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            phases["after_setup"] = sampler.reset()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            between.append(sampler.reset())
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+            self._before_opt = _rss_anon()
+            self._step_peak_so_far = sampler.peak
+            sampler.peak = self._before_opt
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            opt_peaks.append(sampler.peak)
+            step_peaks.append(max(sampler.peak, self._step_peak_so_far))
+
+    class Plain(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(LAYERS)])
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    seed_everything(0)
+    options = dict(ARMS[arm])
+    if arm == "mmap":
+        options["state_dir"] = str(out / "states")
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DeepSpeedPureBF16Strategy(**options),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Phases()],
+    )
+    model = Plain()
+    phases["before_setup"] = sampler.reset()  # the fp32 module built, nothing partitioned yet
+    data = DataLoader(TensorDataset(torch.randn(BATCH * STEPS * 2, d)), batch_size=BATCH)
+    trainer.fit(model, data)
+    sampler.stop()
+    report = trainer.strategy.memory_report()
+    phases.update(
+        between_steps=max(between[1:]),
+        step_peak=max(step_peaks[1:]),
+        optimizer_step_peak=max(opt_peaks[1:]),
+        params=sum(p.ds_numel for p in model.parameters()),
+        model_state_b_per_param=report["total"],
+    )
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(phases))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(arm: str, d: int) -> dict[str, float]:
+    """Both ranks' phases of one fit, summed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {
+            **os.environ,
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "PYTHONWARNINGS": "ignore",
+        }
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", arm, str(d), tmp], capture_output=True, text=True, env=env
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{arm} d={d} failed:\n{proc.stderr[-3000:]}")
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+    summed = {k: sum(r[k] for r in ranks) for k in ("before_setup", "after_setup", "between_steps", "step_peak")}
+    summed["optimizer_step_peak"] = sum(r["optimizer_step_peak"] for r in ranks)
+    summed["params"] = ranks[0]["params"]
+    summed["model_state_b_per_param"] = ranks[0]["model_state_b_per_param"]
+    return summed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="d = 512 and 1024")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--sizes", nargs="+", type=int, default=None, help="layer widths d (default 1024 2048 4096)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--label", default="", help="a note for the report (say, the commit)")
+    parser.add_argument("--worker", nargs=3, metavar=("ARM", "D", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker[0], int(args.worker[1]), Path(args.worker[2]))
+        return 0
+    sizes = args.sizes or ([512, 1024] if args.quick else [1024, 2048, 4096])
+    rows = []
+    for arm in args.arms:
+        for d in sizes:
+            r = measure(arm, d)
+            rows.append({"arm": arm, "d": d, **r})
+            gib = 1024**3
+            print(
+                f"{arm:10s} d={d:5d} {r['params'] / 1e6:7.1f}M params: before {r['before_setup'] / gib:.2f} GiB,"
+                f" after setup {r['after_setup'] / gib:.2f}, between steps {r['between_steps'] / gib:.2f}, step peak"
+                f" {r['step_peak'] / gib:.2f} (optimizer step {r['optimizer_step_peak'] / gib:.2f})",
+                file=sys.stderr,
+                flush=True,
+            )
+    command = "python benchmarks/peak_memory.py" + " ".join(f" {a}" for a in (argv or sys.argv[1:]))
+    gib = 1024**3
+    lines = [
+        "# Memory by phase of a fit, 2 CPU ranks (gloo), the sum of both ranks' anonymous resident memory",
+        "",
+        f"Command: `{command}`. {args.label} Module: {LAYERS} bias-free d x d linear layers, batch {BATCH}, "
+        f"{STEPS} steps; the step peaks are the largest over steps 2-{STEPS}.",
+        "",
+        "| arm | d | parameters | model state B/param | before setup GiB | after setup GiB | between steps GiB |"
+        " step peak GiB | optimizer step peak GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['arm']} | {r['d']} | {r['params'] / 1e6:.1f}M | {r['model_state_b_per_param']:.2f} |"
+            f" {r['before_setup'] / gib:.2f} | {r['after_setup'] / gib:.2f} | {r['between_steps'] / gib:.2f} |"
+            f" {r['step_peak'] / gib:.2f} | {r['optimizer_step_peak'] / gib:.2f} |"
+        )
+    lines += [
+        "",
+        "Growth per parameter between the smallest and the largest size (bytes per parameter of the model, both ranks"
+        " together; fixed costs drop out):",
+        "",
+        "| arm | after setup | between steps | step peak | optimizer step peak | step peak over between steps |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for arm in args.arms:
+        mine = [r for r in rows if r["arm"] == arm]
+        lo, hi = mine[0], mine[-1]
+        dp = hi["params"] - lo["params"]
+
+        def slope(key: str, lo: dict = lo, hi: dict = hi, dp: int = dp) -> float:
+            return (hi[key] - lo[key]) / dp
+
+        row = {k: slope(k) for k in ("after_setup", "between_steps", "step_peak", "optimizer_step_peak")}
+        lines.append(
+            f"| {arm} | {row['after_setup']:.2f} | {row['between_steps']:.2f} | **{row['step_peak']:.2f}** |"
+            f" {row['optimizer_step_peak']:.2f} | {row['step_peak'] - row['between_steps']:.2f} |"
+        )
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _results import write_results
+
+    write_results(args.out, "peak_memory_quick" if args.quick else "peak_memory", rows, lines, command)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
