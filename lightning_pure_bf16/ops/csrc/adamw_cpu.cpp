@@ -45,15 +45,8 @@ void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   uint16_t* MS = q8m ? reinterpret_cast<uint16_t*>(exp_avg_scale.data_ptr()) : nullptr;
   uint16_t* VS = q8m ? reinterpret_cast<uint16_t*>(exp_avg_sq_scale.data_ptr()) : nullptr;
   void* C = rounding == 2 ? kahan_comp.data_ptr() : nullptr;
-  const Scalars s{static_cast<float>(beta1),
-                  static_cast<float>(one_minus_beta1),
-                  static_cast<float>(beta2),
-                  static_cast<float>(one_minus_beta2),
-                  static_cast<float>(eps),
-                  static_cast<float>(weight_decay),
-                  static_cast<float>(decay),
-                  static_cast<float>(neg_step_size),
-                  static_cast<float>(inv_bias_correction2_sqrt)};
+  const Scalars s = scalars_of(beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size,
+                               inv_bias_correction2_sqrt);
   const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
   void* M = exp_avg.data_ptr();
   void* V = exp_avg_sq.data_ptr();
@@ -176,16 +169,8 @@ void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor ex
   uint16_t* V = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr());
   // Only Kahan reads the compensation buffer (the caller passes a placeholder otherwise).
   uint16_t* C = rounding == 2 ? reinterpret_cast<uint16_t*>(kahan_comp.data_ptr()) : nullptr;
-  // Scalars become float32 exactly as torch turns a Python float into the scalar of a float32 tensor op.
-  const Scalars s{static_cast<float>(beta1),
-                  static_cast<float>(one_minus_beta1),
-                  static_cast<float>(beta2),
-                  static_cast<float>(one_minus_beta2),
-                  static_cast<float>(eps),
-                  static_cast<float>(weight_decay),
-                  static_cast<float>(decay),
-                  static_cast<float>(neg_step_size),
-                  static_cast<float>(inv_bias_correction2_sqrt)};
+  const Scalars s = scalars_of(beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size,
+                               inv_bias_correction2_sqrt);
   const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
   const int64_t n = param.numel();
   if (rounding == 0) dispatch_decay<0>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v, index_offset);
