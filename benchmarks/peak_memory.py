@@ -117,6 +117,7 @@ def worker(arm: str, d: int, out: Path) -> None:
     options = dict(ARMS[arm])
     if arm == "mmap":
         options["state_dir"] = str(out / "states")
+        (out / "states").mkdir(exist_ok=True)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
