@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from lightning_pure_bf16._internals import (
     fabric_dataloader,
@@ -128,17 +128,22 @@ def resume_dataloader(dataloader: DataLoader, *, epoch: int, batches_done: int, 
         return dataloader
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     plain_batches = type(batch_sampler) is BatchSampler and dataloader.batch_size is not None
+    why = None
     if (
         isinstance(dataloader.dataset, IterableDataset)
         or not plain_batches
         or not isinstance(dataloader.sampler, Sized)
     ):
+        why = "cannot be fast-forwarded exactly (an iterable dataset or a custom batch sampler)"
+    elif isinstance(dataloader.sampler, RandomSampler):
+        # No distributed sampler was injected (one process): its order is drawn anew from the global generator.
+        why = "shuffles with a `RandomSampler`, whose order a resumed process draws anew"
+    if why is not None:
         rank_zero_warn(
-            f"`{who}` is resuming {batches_done} batches into epoch {epoch} with a"
-            f" `{type(dataloader).__name__}` that keeps no position and cannot be fast-forwarded exactly (an iterable"
-            " dataset or a custom batch sampler): the rest of this epoch will not be the batches the uninterrupted run"
-            " saw. Use torchdata's `StatefulDataLoader` (it saves its position in the checkpoint), or checkpoint at"
-            " epoch ends."
+            f"`{who}` is resuming {batches_done} batches into epoch {epoch} with a `{type(dataloader).__name__}` that"
+            f" keeps no position and {why}: the rest of this epoch will not be the batches the uninterrupted run saw."
+            " Use torchdata's `StatefulDataLoader` (it saves its position in the checkpoint), or checkpoint at epoch"
+            " ends."
         )
         return dataloader
     return lightning_update_dataloader(

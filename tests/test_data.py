@@ -129,10 +129,16 @@ def test_a_loader_that_cannot_be_fast_forwarded_warns_at_resume():
             return iter(range(10))
 
     loader = DataLoader(Stream(), batch_size=2)
-    with pytest.warns(UserWarning, match="StatefulDataLoader"):
+    with pytest.warns(UserWarning, match="cannot be fast-forwarded.*StatefulDataLoader"):
         assert (
             resume_dataloader(loader, epoch=0, batches_done=2, who="Trainer(strategy='deepspeed_pure_bf16')") is loader
         )
+
+
+def test_a_single_process_random_sampler_warns_at_resume_instead_of_skipping_another_order():
+    loader = DataLoader(torch.arange(8.0), batch_size=2, shuffle=True)
+    with pytest.warns(UserWarning, match="RandomSampler.*draws anew"):
+        assert resume_dataloader(loader, epoch=0, batches_done=1, who="test") is loader
 
 
 def test_resume_fabric_dataloader_refuses_a_negative_position_and_a_loader_fabric_did_not_set_up():
