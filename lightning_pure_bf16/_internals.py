@@ -75,10 +75,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_STAGE3, "optimizer", "attribute", "the wrapped pure-bf16 optimizer"),
     PrivateName(
         _STAGE3,
-        "_prepare_fp32_grad_for_sub_group",
-        "method",
-        "replaced per engine: the sub-group's gradient as a view, not a flattened copy",
-        ("self", "sub_group_id"),
+        "def _prepare_fp32_grad_for_sub_group(self, sub_group_id)",
+        "marker",
+        "replaced per engine: the sub-group's gradient as a view, not a flattened copy (its body: COPIED_UPSTREAM)",
     ),
     PrivateName(_STAGE3, "averaged_gradients", "attribute", "each sub-group's gradient partitions (views)"),
     PrivateName(_STAGE3, "fp16_groups", "attribute", "each sub-group's parameters in partition order (repartition)"),
