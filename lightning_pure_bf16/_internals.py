@@ -80,6 +80,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "replaced per engine: the sub-group's gradient as a view, not a flattened copy (its body: COPIED_UPSTREAM)",
     ),
     PrivateName(_STAGE3, "averaged_gradients", "attribute", "each sub-group's gradient partitions (views)"),
+    PrivateName(
+        _STAGE3,
+        "def get_grad_norm_direct(self, gradients, params, norm_type=2)",
+        "marker",
+        "wrapped per engine: the gradient norm reads the partitions in pieces (no full-size float64 copy)",
+    ),
     PrivateName(_STAGE3, "fp16_groups", "attribute", "each sub-group's parameters in partition order (repartition)"),
     PrivateName(_STAGE3, "param_names", "attribute", "each parameter's name (repartition)"),
     PrivateName(_STAGE3, "clip_grad", "attribute", "the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)"),
@@ -390,6 +396,34 @@ def view_sub_group_gradients(zero_optimizer: Any) -> None:
     zero_optimizer._prepare_fp32_grad_for_sub_group = prepare
 
 
+# Elements per piece of the gradient norm: its float64 temporary is at most 32 MiB, whatever the model's size.
+NORM_PIECE = 1 << 22
+
+
+def gradient_norm_in_pieces(zero_optimizer: Any) -> None:
+    """Let ZeRO-3's gradient norm read each gradient partition in pieces of at most :data:`NORM_PIECE` elements.
+
+    ``get_grad_norm_direct`` casts each gradient partition to the norm's dtype (float64 where the device has it)
+    before taking its norm: a temporary of 8 bytes per element of the largest partition at the peak of the step (the
+    token embedding's is a third of GPT-2's parameters). The sum of the squared norms of the pieces is the squared
+    norm of the whole, and DeepSpeed's own function sums the pieces as it sums the parameters (each piece is
+    attributed to its parameter, so the model-parallel and expert-parallel rules are unchanged): the norm is the
+    same up to the order of the float64 additions, and the temporary is bounded by the piece. Wrapped on this
+    optimizer instance only.
+    """
+    original = _read(zero_optimizer, "get_grad_norm_direct", "the gradient norm")
+
+    def norm(gradients: list[torch.Tensor], params: list[Any], norm_type: float = 2) -> torch.Tensor:
+        pieces, owners = [], []
+        for g, p in zip(gradients, params):
+            parts = g.reshape(-1).split(NORM_PIECE) if g.numel() > NORM_PIECE else (g,)
+            pieces.extend(parts)
+            owners.extend([p] * len(parts))
+        return original(pieces, owners, norm_type)
+
+    zero_optimizer.get_grad_norm_direct = norm
+
+
 def zero3_param_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
     """This rank's flat bf16 parameter partitions, one per ZeRO-3 sub-group."""
     flats = _read(zero_optimizer, "fp16_partitioned_groups_flat", "the bf16 parameter partitions")
@@ -468,14 +502,17 @@ def zero3_set_clip(zero_optimizer: Any, max_norm: float) -> None:
 
 
 def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
-    """The 2-norm of the gradient over every rank's partition (float32), as ZeRO-3 computes it for clipping."""
+    """The 2-norm of the gradient over every rank's partition (float32), as ZeRO-3 computes it for clipping: summed
+    in float64 from pieces of :data:`NORM_PIECE` elements (no full-size temporary)."""
     import torch.distributed as dist
 
     grads = zero3_grad_partition_buffer(zero_optimizer)
-    total = grads.float().pow(2).sum() if grads is not None else torch.zeros(())
+    total = torch.zeros((), dtype=torch.float64, device=grads.device if grads is not None else None)
+    for piece in grads.split(NORM_PIECE) if grads is not None else ():
+        total += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
-    return total.sqrt()
+    return total.sqrt().float()
 
 
 def set_engine_counters(engine: Any, *, global_steps: int, global_samples: int, skipped_steps: int) -> None:
@@ -613,6 +650,7 @@ __all__ = [
     "engine_skipped_steps",
     "fabric_dataloader",
     "fabric_unwrap",
+    "gradient_norm_in_pieces",
     "lightning_fit_position",
     "lightning_remove_module_hooks",
     "lightning_update_dataloader",

@@ -273,9 +273,10 @@ def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
 
 def after_engine_setup(engine: Any, strategy_name: str) -> None:
     """Allocate every sub-group's optimizer state now (a shortage shows at setup), give the step views of the gradient
-    partition instead of copies, and log the memory per parameter."""
+    partition instead of copies, let the gradient norm read it in pieces, and log the memory per parameter."""
     init_zero3_optimizer_state(engine.optimizer)
     _internals.view_sub_group_gradients(engine.optimizer)
+    _internals.gradient_norm_in_pieces(engine.optimizer)
     optimizer = inner_optimizer(engine)
     report = memory_report(engine)
     rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))

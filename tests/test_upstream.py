@@ -176,3 +176,51 @@ def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from lightning.fabric.utilities.data import _update_dataloader\n")
     assert _private_upstream_imports(probe) == ["probe.py:2 lightning.fabric.utilities.data._update_dataloader"]
+
+
+def test_the_gradient_norm_reads_each_partition_in_pieces_and_gives_the_same_norm(monkeypatch):
+    # ZeRO-3 casts each gradient partition to float64 before its norm: a full-size temporary. Wrapped, it sees pieces
+    # of at most NORM_PIECE elements, each attributed to its own parameter, and the norm is the same.
+    import torch
+
+    monkeypatch.setattr(_internals, "NORM_PIECE", 100)
+    calls = []
+
+    class ZeroOptimizer:
+        def get_grad_norm_direct(self, gradients, params, norm_type=2):
+            calls.append((gradients, params))
+            return torch.stack([g.to(torch.float64).norm(norm_type) for g in gradients]).pow(norm_type).sum().sqrt()
+
+    grads = [torch.randn(250, dtype=torch.bfloat16), torch.randn(7, 3, dtype=torch.bfloat16)]
+    params = ["big", "small"]
+    zero = ZeroOptimizer()
+    expected = zero.get_grad_norm_direct(grads, params)
+    _internals.gradient_norm_in_pieces(zero)
+    got = zero.get_grad_norm_direct(grads, params)
+    pieces, owners = calls[-1]
+    assert [p.numel() for p in pieces] == [100, 100, 50, 21]
+    assert owners == ["big", "big", "big", "small"]
+    assert all(p.untyped_storage().data_ptr() == grads[0].untyped_storage().data_ptr() for p in pieces[:3])  # views
+    assert torch.allclose(got, expected, rtol=1e-12, atol=0)
+
+
+def test_the_norm_for_fabric_clipping_reads_the_partition_in_pieces(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(_internals, "NORM_PIECE", 64)
+    buffer = torch.randn(1000, dtype=torch.bfloat16)
+    seen = []
+    real_norm = torch.linalg.vector_norm
+
+    def recorded(x, *args, **kwargs):
+        seen.append(x.numel())
+        return real_norm(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", recorded)
+
+    class ZeroOptimizer:
+        grad_partitions_flat_buffer = buffer
+
+    norm = _internals.zero3_grad_norm(ZeroOptimizer())
+    assert max(seen) == 64 and sum(seen) == 1000
+    assert torch.allclose(norm, buffer.double().norm().float(), rtol=1e-6)
