@@ -7,12 +7,16 @@ Each arm and size is a fresh 2-process fit (gloo, CPU) of a plain module of 8 bi
 in memory-mapped files, are not counted) from a thread every 0.2 ms; ``MALLOC_MMAP_THRESHOLD_`` is fixed so that
 freed large buffers go back to the system and resident memory follows live memory. A step's peak is the largest
 sample from the start of its batch to its end (steps 2-4; the first step builds what later steps reuse); the
-optimizer step's is from ``on_before_optimizer_step`` (after the backward) to the batch's end. Figures are the sum
+optimizer step's is from the moment ZeRO-3's step has released the parameters the backward gathered (its first act)
+to the batch's end: the gradient norm and the update. Figures are the sum
 over both ranks.
 
     python benchmarks/peak_memory.py              # d = 1024, 2048, 4096 (8.4M, 34M, 134M parameters)
     python benchmarks/peak_memory.py --quick      # d = 512, 1024
     python benchmarks/peak_memory.py --arms stochastic int8 --sizes 1024 2048
+    python benchmarks/peak_memory.py --config '{"zero_optimization": {"stage3_max_reuse_distance": 0}}'
+
+``--config`` is merged into every arm's DeepSpeed config (ZeRO-3's caches of gathered parameters, for example).
 
 Writes benchmarks/results/peak_memory{,_quick}.{csv,md}.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -53,26 +58,34 @@ class _Sampler(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak = 0
+        self._peak = 0
+        self._lock = threading.Lock()  # a reset between the sampler's read and its write is not lost
         self._stop = threading.Event()
 
+    @property
+    def peak(self) -> int:
+        with self._lock:
+            return self._peak
+
     def reset(self) -> int:
-        now = _rss_anon()
-        self.peak = now
-        return now
+        with self._lock:
+            self._peak = _rss_anon()
+            return self._peak
 
     def run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_anon())
+            with self._lock:
+                self._peak = max(self._peak, _rss_anon())
             time.sleep(0.0002)
 
     def stop(self) -> None:
         self._stop.set()
 
 
-def worker(arm: str, d: int, out: Path) -> None:
+def worker(arm: str, d: int, out: Path, config: dict) -> None:
     """One fit; every rank writes its phases to ``out/rank{R}.json``."""
     import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -81,6 +94,20 @@ def worker(arm: str, d: int, out: Path) -> None:
 
     sampler = _Sampler()
     sampler.start()
+    # The optimizer step's window opens when ZeRO-3's step has released the parameters the backward gathered (its
+    # first act), so that it measures what the step itself allocates: the norm and the update.
+    window = {"armed": False, "step_peak_so_far": 0}
+    partition_all = DeepSpeedZeroOptimizer_Stage3._partition_all_parameters
+
+    def partitioned(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = partition_all(self, *args, **kwargs)
+        if window["armed"]:
+            window["armed"] = False
+            window["step_peak_so_far"] = sampler.peak
+            sampler.reset()
+        return out
+
+    DeepSpeedZeroOptimizer_Stage3._partition_all_parameters = partitioned
     phases: dict[str, float] = {"before_setup": sampler.reset()}
     step_peaks: list[int] = []
     opt_peaks: list[int] = []
@@ -94,13 +121,11 @@ def worker(arm: str, d: int, out: Path) -> None:
             between.append(sampler.reset())
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
-            self._before_opt = _rss_anon()
-            self._step_peak_so_far = sampler.peak
-            sampler.peak = self._before_opt
+            window["armed"] = True
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             opt_peaks.append(sampler.peak)
-            step_peaks.append(max(sampler.peak, self._step_peak_so_far))
+            step_peaks.append(max(sampler.peak, window["step_peak_so_far"]))
 
     class Plain(LightningModule):
         def __init__(self) -> None:
@@ -115,6 +140,8 @@ def worker(arm: str, d: int, out: Path) -> None:
 
     seed_everything(0)
     options = dict(ARMS[arm])
+    if config:
+        options["config"] = config
     if arm == "mmap":
         options["state_dir"] = str(out / "states")
         (out / "states").mkdir(exist_ok=True)
@@ -151,7 +178,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(arm: str, d: int) -> dict[str, float]:
+def measure(arm: str, d: int, config: str) -> dict[str, float]:
     """Both ranks' phases of one fit, summed."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {
@@ -162,7 +189,10 @@ def measure(arm: str, d: int) -> dict[str, float]:
             "PYTHONWARNINGS": "ignore",
         }
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", arm, str(d), tmp], capture_output=True, text=True, env=env
+            [sys.executable, __file__, "--worker", arm, str(d), tmp, "--config", config],
+            capture_output=True,
+            text=True,
+            env=env,
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{arm} d={d} failed:\n{proc.stderr[-3000:]}")
@@ -181,16 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="layer widths d (default 1024 2048 4096)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--label", default="", help="a note for the report (say, the commit)")
+    parser.add_argument("--config", default="{}", help="JSON merged into each arm's DeepSpeed config")
+    parser.add_argument("--name", default=None, help="results file name (default: peak_memory, peak_memory_quick)")
     parser.add_argument("--worker", nargs=3, metavar=("ARM", "D", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), Path(args.worker[2]))
+        worker(args.worker[0], int(args.worker[1]), Path(args.worker[2]), json.loads(args.config))
         return 0
     sizes = args.sizes or ([512, 1024] if args.quick else [1024, 2048, 4096])
     rows = []
     for arm in args.arms:
         for d in sizes:
-            r = measure(arm, d)
+            r = measure(arm, d, args.config)
             rows.append({"arm": arm, "d": d, **r})
             gib = 1024**3
             print(
@@ -200,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    command = "python benchmarks/peak_memory.py" + " ".join(f" {a}" for a in (argv or sys.argv[1:]))
+    command = shlex.join(["python", "benchmarks/peak_memory.py", *(argv or sys.argv[1:])])
     gib = 1024**3
     lines = [
         "# Memory by phase of a fit, 2 CPU ranks (gloo), the sum of both ranks' anonymous resident memory",
@@ -242,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from _results import write_results
 
-    write_results(args.out, "peak_memory_quick" if args.quick else "peak_memory", rows, lines, command)
+    name = args.name or ("peak_memory_quick" if args.quick else "peak_memory")
+    write_results(args.out, name, rows, lines, command)
     return 0
 
 

@@ -24,7 +24,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.checkpoint import TAG, CheckpointError, save_staged, tag_directory, validate_checkpoint
 from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
-from lightning_pure_bf16.memory import format_report, zero3_model_state_report
+from lightning_pure_bf16.memory import PeakMeter, format_peak, format_report, peak_report, zero3_model_state_report
 from lightning_pure_bf16.optim import AdamW, fused_cpu_available
 from lightning_pure_bf16.optim.options import (
     STATE_DIR_ENV,
@@ -271,9 +271,13 @@ def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
     )
 
 
-def after_engine_setup(engine: Any, strategy_name: str) -> None:
+def after_engine_setup(engine: Any, strategy_name: str, device: torch.device) -> PeakMeter:
     """Allocate every sub-group's optimizer state now (a shortage shows at setup), give the step views of the gradient
-    partition instead of copies, let the gradient norm read it in pieces, and log the memory per parameter."""
+    partition instead of copies, let the gradient norm read it in pieces, and log the memory per parameter.
+
+    Returns:
+        A meter of the peak memory from now on (see :func:`peak_memory`).
+    """
     init_zero3_optimizer_state(engine.optimizer)
     _internals.view_sub_group_gradients(engine.optimizer)
     _internals.gradient_norm_in_pieces(engine.optimizer)
@@ -287,6 +291,21 @@ def after_engine_setup(engine: Any, strategy_name: str) -> None:
             f"{strategy_name}: optimizer states in memory-mapped files, {used:.2f} GiB in {optimizer.state_dir} on"
             f" rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory there."
         )
+    meter = PeakMeter(device)
+    meter.reset()
+    return meter
+
+
+def peak_memory(engine: Any, meter: PeakMeter | None) -> dict[str, Any] | None:
+    """The peak memory of this rank since setup beside its model state
+    (:func:`lightning_pure_bf16.memory.peak_report`); ``None`` before setup or where no peak can be measured."""
+    return peak_report(meter, memory_report(engine)) if meter is not None else None
+
+
+def log_peak_memory(engine: Any, meter: PeakMeter | None, strategy_name: str) -> None:
+    """The end-of-fit line: rank 0's measured peak beside its model state."""
+    if meter is not None:
+        rank_zero_info(f"{strategy_name}: memory of rank 0 during the fit: " + format_peak(peak_memory(engine, meter)))
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints

@@ -132,6 +132,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         self.config = self.settings.deepspeed_config(self.config)
         self._backward_sync_control = _EveryBackwardReduces()
         self._skips = core.SkipCounter()
+        self._peak_meter: core.PeakMeter | None = None
         self._max_norm: float | None = None
 
     @property
@@ -218,7 +219,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         prepare_for_zero3(optimizer, base_seed=self.optimizer_options.seed, global_rank=self.global_rank)
         self._deepspeed_engine, _, scheduler = self._initialize_engine(module, optimizer, scheduler)
         self._set_deepspeed_activation_checkpointing()
-        core.after_engine_setup(self._deepspeed_engine, self.strategy_name)
+        self._peak_meter = core.after_engine_setup(self._deepspeed_engine, self.strategy_name, self.root_device)
         self._skips.sync(self._deepspeed_engine)
         # The pure-bf16 optimizer itself: a torch optimizer (schedulers, param_groups), whose `step` through Fabric's
         # wrapper steps the engine.
@@ -381,6 +382,11 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     def memory_report(self) -> dict[str, float]:
         """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers."""
         return core.memory_report(self._deepspeed_engine)
+
+    def peak_memory(self) -> dict[str, Any] | None:
+        """This rank's peak memory since ``fabric.setup``, measured, beside its model state (see
+        :meth:`lightning_pure_bf16.DeepSpeedPureBF16Strategy.peak_memory`)."""
+        return core.peak_memory(self._deepspeed_engine, self._peak_meter)
 
 
 __all__ = ["DeepSpeedPureBF16FabricStrategy"]

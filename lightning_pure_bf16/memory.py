@@ -1,4 +1,5 @@
-"""Model-state memory accounting, measured from live ZeRO-3 buffers (used by the strategy, tests and benchmarks)."""
+"""Model-state memory accounting, measured from live ZeRO-3 buffers, and the measured peak beside it (used by the
+strategy, tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,86 @@ def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
     return {k: ", ".join(sorted(v)) for k, v in found.items() if v}
 
 
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class PeakMeter:
+    """The peak memory of this process since :meth:`reset`, beside the memory at that moment.
+
+    On CUDA it is the caching allocator's peak (``torch.cuda.max_memory_allocated``); on the CPU the resident set's
+    high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``), which counts everything the process holds.
+    Where the high-water mark cannot be reset (not Linux), :meth:`read` returns ``None``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.at_reset: int | None = None
+
+    @property
+    def source(self) -> str:
+        return "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else "resident set (VmHWM)"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.at_reset = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set
+        except OSError:
+            self.at_reset = None
+            return
+        self.at_reset = _proc_status_bytes("VmRSS")
+
+    def read(self) -> tuple[int, int] | None:
+        """``(peak bytes, bytes at the reset)``, or ``None`` where there is no resettable peak."""
+        if self.at_reset is None:
+            return None
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), self.at_reset
+        peak = _proc_status_bytes("VmHWM")
+        return (peak, self.at_reset) if peak is not None else None
+
+
+def peak_report(meter: PeakMeter, model_state: dict[str, float]) -> dict[str, Any] | None:
+    """The measured peak beside model state: ``peak_gib``, ``at_setup_gib`` (the memory when the states had been
+    allocated), ``above_setup_per_param`` (what the steps added at their peak, in bytes per parameter of this rank's
+    partition), ``model_state_per_param`` and ``source``; ``None`` where nothing was measured."""
+    measured = meter.read()
+    if measured is None:
+        return None
+    peak, at_setup = measured
+    n = max(model_state["params_on_rank"], 1.0)
+    return {
+        "source": meter.source,
+        "peak_gib": peak / 1024**3,
+        "at_setup_gib": at_setup / 1024**3,
+        "above_setup_per_param": max(peak - at_setup, 0) / n,
+        "model_state_per_param": model_state["total"],
+    }
+
+
+def format_peak(peak: dict[str, Any] | None) -> str:
+    """One line for the end of a fit."""
+    if peak is None:
+        return "no peak measured here (the CPU's resident high-water mark cannot be reset on this system)"
+    return (
+        f"{peak['peak_gib']:.2f} GiB at the peak ({peak['source']}), {peak['peak_gib'] - peak['at_setup_gib']:.2f} GiB"
+        f" above the memory at setup: {peak['above_setup_per_param']:.2f} B per parameter of this rank's partition on"
+        f" top of {peak['model_state_per_param']:.2f} B/param of model state (activations, gathered layers,"
+        " communication buckets and the step's temporaries; fixed costs included, which dominate for a small model)"
+    )
+
+
 def format_report(report: dict[str, float]) -> str:
     """One line: ``8.00 B/param (param 2.00, grad 2.00, ...) over N elements``."""
     parts = [f"{k} {report[k]:.2f}" for k in CATEGORIES if report.get(k)]
@@ -175,9 +256,12 @@ __all__ = [
     "FROZEN_BYTES",
     "MODEL_STATE_BYTES",
     "STATE_FILE_BYTES",
+    "PeakMeter",
     "bytes_per_param",
-    "is_file_backed",
+    "format_peak",
     "format_report",
+    "is_file_backed",
+    "peak_report",
     "reachable_tensors",
     "zero3_model_state_report",
     "zero3_state_dtypes",

@@ -154,6 +154,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         )
         self.config = self.settings.deepspeed_config(self.config)
         self._skips = core.SkipCounter()
+        self._peak_meter: core.PeakMeter | None = None
 
     @property
     def optimizer_options(self) -> OptimizerOptions:
@@ -290,7 +291,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
-        core.after_engine_setup(self.deepspeed_engine, self.strategy_name)
+        self._peak_meter = core.after_engine_setup(self.deepspeed_engine, self.strategy_name, self.root_device)
 
     # ------------------------------------------------------------------------------------------------------- data
     @override
@@ -386,6 +387,22 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             rank's partition, and ``params_on_rank``.
         """
         return core.memory_report(self.deepspeed_engine)
+
+    def peak_memory(self) -> dict[str, Any] | None:
+        """This rank's peak memory since setup, measured, beside its model state.
+
+        Returns:
+            See :func:`lightning_pure_bf16.memory.peak_report`: ``peak_gib``, ``at_setup_gib``,
+            ``above_setup_per_param`` (bytes per parameter of this rank's partition the steps added at their peak),
+            ``model_state_per_param`` and ``source`` (CUDA's allocator, or the CPU's resident set); ``None`` before
+            setup or where no peak can be measured.
+        """
+        return core.peak_memory(self.deepspeed_engine, self._peak_meter)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        core.log_peak_memory(self.deepspeed_engine, self._peak_meter, self.strategy_name)
 
 
 __all__ = ["STATE_DIR_ENV", "DeepSpeedPureBF16Strategy"]

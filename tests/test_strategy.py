@@ -26,7 +26,8 @@ EXACT = {"config": {"zero_optimization": {"stage3_param_persistence_threshold": 
 @pytest.fixture(scope="module")
 def default_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("default")
-    fit(out, devices=2, steps=8, scheduler=True, eval_loops=True, record_exit=True, record_grad_storage=True)
+    proc = fit(out, devices=2, steps=8, scheduler=True, eval_loops=True, record_exit=True, record_grad_storage=True)
+    (out / "log.txt").write_text(proc.stdout + proc.stderr)
     return out
 
 
@@ -199,6 +200,17 @@ def test_the_step_updates_from_the_gradient_partition_itself_not_a_copy(default_
     # strategy hands the optimizer a view of the partition. Kahan's run clips and accumulates: the view holds there too.
     for r in default_run + kahan_run:
         assert r["step_grad_is_partition_view"] and all(r["step_grad_is_partition_view"])
+
+
+def test_the_peak_of_the_fit_is_measured_and_logged_beside_model_state(default_out, default_run):
+    for r in default_run:
+        peak = r["peak_memory"]
+        assert peak["source"] == "resident set (VmHWM)"
+        assert peak["peak_gib"] >= peak["at_setup_gib"] > 0
+        assert peak["model_state_per_param"] == r["memory_report"]["total"] == 8.0
+        assert peak["above_setup_per_param"] >= 0
+    log = (default_out / "log.txt").read_text()
+    assert "memory of rank 0 during the fit:" in log and "B per parameter of this rank's partition on top" in log
 
 
 def test_cpu_loop_is_ready_before_the_first_step(default_run):

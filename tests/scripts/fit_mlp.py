@@ -229,6 +229,7 @@ def main(out: Path, opts: dict) -> None:
     result["zero_buffers"] = capture.captured["zero_buffers"]
     result["cpu_loop_ready_at_first_step"] = capture.captured.get("cpu_loop_ready_at_first_step")
     result["gradient_clipping"] = strat.deepspeed_engine.gradient_clipping()
+    result["peak_memory"] = strat.peak_memory()
     result["world_size"] = trainer.world_size
     result["persistent_numel"] = sum(p.numel() for p in zero.parameter_offload.persistent_parameters)
     if opts.get("eval_loops"):
