@@ -1,0 +1,370 @@
+"""The training arms the scale benchmarks compare, each a few steps of the same GPT on the same data in fresh processes.
+
+Arms (the ``ARMS`` keys):
+
+- ``ds_bf16_mixed``: DeepSpeed ZeRO-3 with bf16 mixed precision (fp32 master weights and moments, torch AdamW), what
+  Lightning's ``DeepSpeedStrategy(stage=3)`` with ``precision="bf16-mixed"`` runs;
+- ``ds_bf16_flags``: the same with DeepSpeed's own ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``;
+- ``pure_bf16``, ``pure_bf16_kahan``, ``pure_bf16_int8``, ``pure_bf16_int8_kahan``, ``pure_bf16_mmap``: this
+  package's Fabric strategy (stochastic rounding, Kahan, 8-bit moments, 8-bit moments with an 8-bit Kahan remainder,
+  optimizer states in memory-mapped files);
+- ``fsdp2_bf16``: PyTorch FSDP2 (``fully_shard``, what Lightning's ``ModelParallelStrategy`` wraps) with bf16
+  parameters and torch AdamW (bf16 states, round to nearest);
+- ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``.
+
+DeepSpeed's own arms run through ``deepspeed.initialize`` with this package's CPU setup for DeepSpeed (its CPU
+accelerator and communication buckets), so that they run on a CPU as this package's arms do. Every arm builds the
+model already partitioned (``deepspeed.zero.Init``, ``fabric.init_module``, or on the meta device for FSDP2), runs
+the same loop (forward, backward, optimizer step) on the same token batches, and reports per rank: steps finished,
+the time of forward+backward and of the optimizer step (after the warm-up steps), and the peak memory: the resident
+memory the process holds (anonymous and shared pages, sampled every millisecond; the page cache of files, such as the
+state files of ``state_storage="mmap"``, is left out: the kernel drops it under pressure) on the CPU,
+``torch.cuda.max_memory_allocated`` on CUDA.
+
+:func:`launch` starts one process per rank and, on the CPU, stops an arm whose summed resident memory passes the
+budget (so that a search never takes the machine down).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {
+    "ds_bf16_mixed": "DeepSpeed ZeRO-3 bf16 mixed (fp32 masters and moments, torch AdamW)",
+    "ds_bf16_flags": "DeepSpeed ZeRO-3, bf16_master_weights_and_grads + bf16_optimizer_states",
+    "pure_bf16": "this strategy, stochastic rounding",
+    "pure_bf16_kahan": "this strategy, Kahan",
+    "pure_bf16_int8": "this strategy, 8-bit moments",
+    "pure_bf16_int8_kahan": "this strategy, 8-bit moments + 8-bit Kahan",
+    "pure_bf16_mmap": "this strategy, states in memory-mapped files",
+    "fsdp2_bf16": "FSDP2 bf16 parameters, torch AdamW (bf16 states, nearest)",
+    "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
+}
+OURS = {
+    "pure_bf16": {},
+    "pure_bf16_kahan": {"rounding": "kahan"},
+    "pure_bf16_int8": {"moments": "int8"},
+    "pure_bf16_int8_kahan": {"moments": "int8", "compensation": "int8"},
+    "pure_bf16_mmap": {"state_storage": "mmap"},
+}
+REFERENCE = "ds_bf16_mixed"
+
+
+@dataclass
+class Spec:
+    """One model and run: the GPT of ``examples/gpt.py`` (byte vocabulary) and the loop's sizes."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    block_size: int = 64
+    batch_size: int = 2
+    steps: int = 3
+    warmup: int = 1
+    lr: float = 1e-4
+    device: str = "cpu"
+    world_size: int = 2
+
+    def params(self) -> int:
+        """Trainable parameters of the GPT (embeddings, blocks, final norm and head)."""
+        d, v, t = self.n_embd, 256, self.block_size
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        return v * d + t * d + self.n_layer * block + 2 * d + d * v
+
+
+def _status_bytes(pid: int | str, *keys: str) -> int:
+    """The sum of ``keys`` (``VmRSS``, ``RssAnon``...) of ``/proc/PID/status`` in bytes (0 for a finished process)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.split(":")[0] in keys:
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+# What a process holds that the kernel cannot drop: anonymous and shared-memory pages. Pages of files (the optimizer
+# states of ``state_storage="mmap"``, the libraries) are page cache the kernel reclaims under pressure.
+HELD = ("RssAnon", "RssShmem")
+
+
+class _PeakSampler:
+    """The largest :data:`HELD` resident memory of this process, sampled every millisecond by a thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = _status_bytes("self", *HELD)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status_bytes("self", *HELD))
+            time.sleep(0.001)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _status_bytes("self", *HELD))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(arm: str, spec: Spec, *, budget_bytes: int | None = None, timeout_s: float = 1800) -> dict:
+    """Run one arm on ``spec.world_size`` ranks in fresh processes.
+
+    Returns:
+        ``{"ok": bool, "why": str, "params": int, "peak_bytes": summed (CPU) or largest (CUDA) peak, "ranks": [...]}``;
+        ``ok`` is false when the arm failed, ran out of the budget (CUDA: out of memory under the per-process
+        fraction; CPU: stopped when the ranks' summed resident memory passed it) or timed out.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix=f"arm_{arm}_") as tmp:
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(spec.world_size),
+            "NODE_RANK": "0",
+            "PYTHONWARNINGS": "ignore",
+            "DS_ACCELERATOR": "cuda" if spec.device == "cuda" else "cpu",
+        }
+        if budget_bytes is not None:
+            env["ARM_BUDGET_BYTES"] = str(budget_bytes)
+        procs = []
+        for rank in range(spec.world_size):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            cmd = [sys.executable, __file__, arm, json.dumps(asdict(spec)), tmp]
+            log = open(Path(tmp) / f"log{rank}.txt", "w")  # noqa: SIM115 - closed below
+            procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+        why, sampled_peak, start = "", 0, time.monotonic()
+        while any(p.poll() is None for p, _ in procs):
+            if spec.device == "cpu":
+                total = sum(_status_bytes(p.pid, *HELD) for p, _ in procs if p.poll() is None)
+                sampled_peak = max(sampled_peak, total)
+                if budget_bytes is not None and total > budget_bytes:
+                    why = f"over the budget: {total / 1024**3:.2f} GiB resident"
+            if time.monotonic() - start > timeout_s:
+                why = f"timed out after {timeout_s:.0f} s"
+            if why:
+                for p, _ in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        for p, log in procs:
+            p.wait()
+            log.close()
+        ranks = []
+        for rank in range(spec.world_size):
+            path = Path(tmp) / f"rank{rank}.json"
+            ranks.append(json.loads(path.read_text()) if path.exists() else None)
+        logs = [(Path(tmp) / f"log{r}.txt").read_text()[-2500:] for r in range(spec.world_size)]
+    ok = not why and all(r is not None and r["steps_done"] == spec.steps for r in ranks)
+    if not ok and not why:
+        oom = any("out of memory" in log.lower() for log in logs)
+        why = "out of memory within the budget" if oom else "failed:\n" + "\n".join(logs)
+    peaks = [r["peak_bytes"] for r in ranks if r is not None]
+    peak = (sum(peaks) if spec.device == "cpu" else max(peaks, default=0)) if ok else max(sampled_peak, sum(peaks))
+    return {"ok": ok, "why": why, "params": spec.params(), "peak_bytes": peak, "ranks": ranks}
+
+
+# --------------------------------------------------------------------------------------------------- the workers
+def _batches(spec: Spec, device: object) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(1234 + int(os.environ.get("RANK", "0")))
+    tokens = torch.randint(0, 256, (spec.steps, spec.batch_size, spec.block_size + 1), generator=g)
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
+
+
+def _gpt(spec: Spec) -> object:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(block_size=spec.block_size, n_layer=spec.n_layer, n_head=spec.n_head, n_embd=spec.n_embd))
+
+
+def _deepspeed_config(arm: str, spec: Spec) -> dict:
+    from lightning_pure_bf16.core import CPU_BUCKET, GPU_BUCKET
+
+    bucket = CPU_BUCKET if spec.device == "cpu" else GPU_BUCKET
+    bf16 = {"enabled": True}
+    if arm == "ds_bf16_flags":
+        bf16 |= {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    return {
+        "train_micro_batch_size_per_gpu": spec.batch_size,
+        "bf16": bf16,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
+    import deepspeed
+    import torch
+
+    from lightning_pure_bf16 import _internals
+
+    _internals.set_deepspeed_accelerator(spec.device)
+    deepspeed.init_distributed(dist_backend="gloo" if spec.device == "cpu" else "nccl")
+    device = torch.device(spec.device, int(os.environ["LOCAL_RANK"]) if spec.device == "cuda" else None)
+    if spec.device == "cuda":
+        torch.cuda.set_device(device)
+    config = _deepspeed_config(arm, spec)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = _gpt(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        t0 = _now(spec)
+        loss = torch.nn.functional.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
+        engine.backward(loss)
+        t1 = _now(spec)
+        engine.step()
+        return t1 - t0, _now(spec) - t1
+
+    _loop(spec, device, step, out)
+
+
+def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
+    import torch
+    from lightning.fabric import Fabric
+
+    from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy
+
+    options = dict(OURS[arm])
+    if options.get("state_storage") == "mmap":
+        options["state_dir"] = str(state_dir)
+    fabric = Fabric(
+        accelerator=spec.device,
+        devices=spec.world_size,
+        strategy=DeepSpeedPureBF16FabricStrategy(**options),
+    )
+    fabric.launch()
+    with fabric.init_module():
+        model = _gpt(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        t0 = _now(spec)
+        loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        fabric.backward(loss)
+        t1 = _now(spec)
+        optimizer.step()
+        optimizer.zero_grad()
+        return t1 - t0, _now(spec) - t1
+
+    _loop(spec, fabric.device, step, out)
+
+
+def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo" if spec.device == "cpu" else "nccl")
+    device = torch.device(spec.device, int(os.environ["LOCAL_RANK"]) if spec.device == "cuda" else None)
+    if spec.device == "cuda":
+        torch.cuda.set_device(device)
+    with torch.device("meta"):
+        model = _gpt(spec).to(torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device=device)
+    with torch.no_grad():  # every rank initialises its own shard (the values do not matter here)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("ln_"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    if arm == "fsdp2_torchao_sr":
+        from torchao.optim import _AdamW
+
+        optimizer = _AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1, bf16_stochastic_round=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        t0 = _now(spec)
+        loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        t1 = _now(spec)
+        optimizer.step()
+        optimizer.zero_grad()
+        return t1 - t0, _now(spec) - t1
+
+    _loop(spec, device, step, out)
+    dist.destroy_process_group()
+
+
+def _now(spec: Spec) -> float:
+    if spec.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _loop(spec: Spec, device: object, step: object, out: dict) -> None:
+    batches = _batches(spec, device)
+    for i, (x, y) in enumerate(batches):
+        fwd_bwd, opt = step(x, y)
+        out["steps_done"] = i + 1
+        if i >= spec.warmup:
+            out["fwd_bwd_s"].append(fwd_bwd)
+            out["optimizer_s"].append(opt)
+
+
+def worker(arm: str, spec: Spec, tmp: Path) -> None:
+    import torch
+
+    if spec.device == "cuda" and os.environ.get("ARM_BUDGET_BYTES"):
+        torch.cuda.set_per_process_memory_fraction(
+            int(os.environ["ARM_BUDGET_BYTES"]) / torch.cuda.get_device_properties(0).total_memory
+        )
+    sampler = _PeakSampler() if spec.device == "cpu" and os.environ.get("ARM_BUDGET_BYTES") else None
+    out: dict = {"steps_done": 0, "fwd_bwd_s": [], "optimizer_s": [], "at_start_bytes": _status_bytes("self", *HELD)}
+    if arm.startswith("ds_"):
+        _run_deepspeed(arm, spec, out)
+    elif arm in OURS:
+        state_dir = tmp / f"states{os.environ['RANK']}"
+        state_dir.mkdir(exist_ok=True)
+        _run_ours(arm, spec, out, state_dir)
+    elif arm.startswith("fsdp2_"):
+        _run_fsdp2(arm, spec, out)
+    else:
+        raise ValueError(f"unknown arm {arm!r}; one of {sorted(ARMS)}")
+    if spec.device == "cuda":
+        out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    else:  # sampled when searching under a budget; otherwise the high-water mark of all resident pages
+        out["peak_bytes"] = sampler.stop() if sampler is not None else _status_bytes("self", "VmHWM")
+    out["hwm_bytes"] = _status_bytes("self", "VmHWM")
+    (tmp / f"rank{os.environ['RANK']}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], Spec(**json.loads(sys.argv[2])), Path(sys.argv[3]))
