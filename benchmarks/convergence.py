@@ -21,11 +21,23 @@ data and schedule, at three learning rates and two seeds: fp32 ``torch.optim.Ada
     python benchmarks/convergence.py --study int8            # 400 steps, lr 1e-4 / 3e-4 / 1e-3, seeds 0 and 1
     python benchmarks/convergence.py --study int8 --quick    # 100 steps
 Writes benchmarks/results/convergence_int8{,_quick}.{csv,md,png}.
+
+``--study width`` is the quality check at width: a GPT of 10.9M parameters (6 layers x 384) trained on 2M tokens
+(1000 steps of 16 x 128 bytes) at the example's peak lr (1e-3) with its warm-up (50 steps) and cosine decay to 10%,
+three ways: DeepSpeed's bf16 mixed precision arithmetic (bf16 weights and gradients, fp32 master weights and fp32
+moments updated by torch AdamW, the master rounded to nearest into the weights: the fp32-master reference), and this
+package's stochastic rounding and 8-bit moments. ``--gpu`` is the same study for GPT-2 124M (12 x 768, 1024-byte context) on a CUDA machine.
+
+    python benchmarks/convergence.py --study width             # ~1 hour on 2 CPU cores
+    python benchmarks/convergence.py --study width --quick     # 60 steps
+    python benchmarks/convergence.py --study width --gpu       # on a CUDA machine
+Writes benchmarks/results/convergence_width{,_quick,_gpu}.{csv,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -51,11 +63,39 @@ LABELS = {
     "torchao_bf16_sr": "torchao _AdamW(bf16_stochastic_round=True)",
     "torchao_8bit": "torchao AdamW8bit(bf16_stochastic_round=True)",
     "bnb_8bit": "bitsandbytes AdamW8bit (bf16 weights, nearest)",
+    "bf16_mixed": "bf16 weights, fp32 masters and moments (DeepSpeed bf16 mixed, reference)",
 }
+WIDTH_ARMS = ("bf16_mixed", "stochastic", "int8")
 INT8_ARMS = ("fp32", "stochastic", "int8", "int8_kahan", "torchao_bf16_sr", "torchao_8bit", "bnb_8bit")
 PEERS = ("torchao_bf16_sr", "torchao_8bit", "bnb_8bit")
 INT8_LRS = (1e-4, 3e-4, 1e-3)
 INT8_SEEDS = (0, 1)
+
+
+class FP32MasterAdamW(torch.optim.AdamW):
+    """The arithmetic of DeepSpeed's bf16 mixed precision on one process: the model's weights and gradients are bf16;
+    each step casts the gradients to float32, updates float32 master weights and moments with torch AdamW, and rounds
+    the masters to nearest into the bf16 weights. (Its param groups are the masters', for the scheduler.)"""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float]) -> None:
+        self.bf16_groups = [list(g["params"]) for g in groups]
+        masters = [{**g, "params": [p.detach().float() for p in g["params"]]} for g in groups]
+        super().__init__(masters, lr=lr, betas=betas)
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        pairs = [(m, p) for g, ps in zip(self.param_groups, self.bf16_groups) for m, p in zip(g["params"], ps)]
+        for master, p in pairs:
+            master.grad = None if p.grad is None else p.grad.float()
+        super().step()
+        for master, p in pairs:
+            p.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for ps in self.bf16_groups:
+            for p in ps:
+                p.grad = None
+        super().zero_grad(set_to_none=set_to_none)
 
 
 def make_optimizer(arm: str, groups: list[dict], lr: float, seed: int) -> torch.optim.Optimizer:
@@ -63,6 +103,8 @@ def make_optimizer(arm: str, groups: list[dict], lr: float, seed: int) -> torch.
     betas = (0.9, 0.95)
     if arm == "fp32":
         return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    if arm == "bf16_mixed":
+        return FP32MasterAdamW(groups, lr=lr, betas=betas)
     if arm in ("nearest", "stochastic", "kahan"):
         return AdamW(groups, lr=lr, betas=betas, rounding=arm, seed=seed)
     if arm == "int8":
@@ -149,7 +191,8 @@ def train_arm(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--study", choices=("rounding", "int8"), default="rounding")
+    parser.add_argument("--study", choices=("rounding", "int8", "width"), default="rounding")
+    parser.add_argument("--gpu", action="store_true", help="width study: GPT-2 124M on a CUDA machine")
     parser.add_argument("--quick", action="store_true", help="200 steps (int8 study: 100)")
     parser.add_argument("--steps", type=int, default=None, help="default: 1200, int8 study 600")
     parser.add_argument("--lr", type=float, default=3e-4)
@@ -167,6 +210,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.study == "width":
+        # Sizes of the study unless given: 6 x 384 (10.9M) on the CPU, GPT-2 124M (12 x 768) with --gpu.
+        big = args.gpu
+        defaults = {
+            "n_layer": (6, 12),
+            "n_head": (6, 12),
+            "n_embd": (384, 768),
+            "block_size": (128, 1024),
+            "batch_size": (16, 16),
+            "lr": (1e-3, 6e-4),  # the example's peak lr; GPT-2's on the GPU
+        }
+        for key, (cpu, gpu) in defaults.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, gpu if big else cpu)
+        args.steps = args.steps or (60 if args.quick else (4000 if big else 1000))
+        args.warmup = min(args.warmup, args.steps // 10)
     if args.study == "int8":
         args.steps = args.steps or (100 if args.quick else 400)
         args.warmup = min(args.warmup, args.steps // 10)
@@ -179,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     val = ByteWindows(load_bytes(val_files), args.block_size, args.val_windows, args.seed + 1)
     if args.study == "int8":
         return int8_study(args, train, val, device)
+    if args.study == "width":
+        return width_study(args, train, val, device)
     lrs = [args.lr] + ([args.small_lr] if args.small_lr else [])
     curves = {(arm, lr): train_arm(arm, lr, args, train, val, device) for lr in lrs for arm in ARMS}
 
@@ -330,6 +391,84 @@ def int8_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, d
         lines.append(f"- {LABELS[arm]}: not run here ({why[:200]})")
     lines += ["", f"![validation loss]({stem}.png)"]
     write_results(args.out, stem, rows, lines, command, also=("png",))
+    return 0
+
+
+def width_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, device: torch.device) -> int:
+    """Quality at width: DeepSpeed's bf16 mixed arithmetic (fp32 masters) against stochastic rounding and 8-bit
+    moments, one learning rate, one seed, the same initial weights and data order."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "convergence_width" + ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "")
+    command = "python benchmarks/convergence.py --study width" + (" --gpu" if args.gpu else "")
+    command += " --quick" if args.quick else ""
+    curves, seconds = {}, {}
+    for arm in WIDTH_ARMS:
+        start = time.perf_counter()
+        curves[arm] = train_arm(arm, args.lr, args, train, val, device)
+        seconds[arm] = time.perf_counter() - start
+        # Written as it goes: a long run that stops early keeps the arms it finished.
+        rows = [
+            {"step": step, **{arm: f"{curves[arm][i][1]:.5f}" for arm in curves}}
+            for i, (step, _) in enumerate(curves[WIDTH_ARMS[0]])
+        ]
+        (args.out / f"{stem}.partial.json").write_text(json.dumps({"rows": rows, "seconds": seconds}))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_params = sum(
+        p.numel() for p in GPT(GPTConfig(args.block_size, 256, args.n_layer, args.n_head, args.n_embd)).parameters()
+    )
+    tokens = args.steps * args.batch_size * args.block_size
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for arm in WIDTH_ARMS:
+        steps, losses = zip(*curves[arm][1:])
+        ax.plot(steps, losses, label=LABELS[arm], linestyle="--" if arm == "bf16_mixed" else "-")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(f"Byte-level GPT, {n_params / 1e6:.1f}M params, {tokens / 1e6:.1f}M tokens, lr {args.lr:g}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+
+    ref = curves["bf16_mixed"][-1][1]
+    lines = [
+        f"# Quality at width: byte-level GPT, {n_params:,} parameters, {tokens:,} tokens per arm",
+        "",
+        f"Command: `{command}` (device: {args.device}). {args.steps} steps of {args.batch_size} x {args.block_size}"
+        f" bytes, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, cosine to 10%), betas (0.9, 0.95), weight decay"
+        f" {args.weight_decay} on matrices, {args.n_layer} layers x {args.n_embd} wide; the same initial weights and"
+        f" data order in every arm; validation on {args.val_windows} fixed windows of held-out files. The reference"
+        " is the arithmetic of DeepSpeed's bf16 mixed precision (bf16 weights and gradients, fp32 master weights and"
+        " moments, torch AdamW, masters rounded to nearest into the weights), run on one process.",
+        "",
+        "| arm | model state B/param | final validation loss | gap to fp32 masters | wall time |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    state = {"bf16_mixed": "16", "stochastic": "8", "int8": "6.03"}
+    for arm in WIDTH_ARMS:
+        loss = curves[arm][-1][1]
+        lines.append(
+            f"| {LABELS[arm]} | {state[arm]} | {loss:.4f} | {100 * (loss - ref) / ref:+.2f}% | {seconds[arm] / 60:.0f}"
+            " min |"
+        )
+    gaps = {arm: 100 * (curves[arm][-1][1] - ref) / ref for arm in WIDTH_ARMS[1:]}
+    verdict = "met" if all(g <= 0.5 for g in gaps.values()) else "missed"
+    lines += [
+        "",
+        f"Goal: stochastic rounding and 8-bit moments within 0.5% of the fp32-master arm's final loss: {verdict}.",
+        "",
+        f"![validation loss]({stem}.png)",
+    ]
+    rows = [
+        {"step": step, **{arm: f"{curves[arm][i][1]:.5f}" for arm in WIDTH_ARMS}}
+        for i, (step, _) in enumerate(curves[WIDTH_ARMS[0]])
+    ]
+    write_results(args.out, stem, rows, lines, command, also=("png",))
+    (args.out / f"{stem}.partial.json").unlink(missing_ok=True)
     return 0
 
 
