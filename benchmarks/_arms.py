@@ -230,6 +230,7 @@ def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
     if spec.device == "cuda":
         torch.cuda.set_device(device)
     config = _deepspeed_config(arm, spec)
+    out["before_model_bytes"] = _status_bytes("self", *HELD)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = _gpt(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
@@ -261,6 +262,7 @@ def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
         strategy=DeepSpeedPureBF16FabricStrategy(**options),
     )
     fabric.launch()
+    out["before_model_bytes"] = _status_bytes("self", *HELD)
     with fabric.init_module():
         model = _gpt(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
@@ -287,6 +289,7 @@ def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
     device = torch.device(spec.device, int(os.environ["LOCAL_RANK"]) if spec.device == "cuda" else None)
     if spec.device == "cuda":
         torch.cuda.set_device(device)
+    out["before_model_bytes"] = _status_bytes("self", *HELD)
     with torch.device("meta"):
         model = _gpt(spec).to(torch.bfloat16)
     for block in model.blocks:

@@ -26,7 +26,8 @@ Writes benchmarks/results/convergence_int8{,_quick}.{csv,md,png}.
 (1000 steps of 16 x 128 bytes) at the example's peak lr (1e-3) with its warm-up (50 steps) and cosine decay to 10%,
 three ways: DeepSpeed's bf16 mixed precision arithmetic (bf16 weights and gradients, fp32 master weights and fp32
 moments updated by torch AdamW, the master rounded to nearest into the weights: the fp32-master reference), and this
-package's stochastic rounding and 8-bit moments. ``--gpu`` is the same study for GPT-2 124M (12 x 768, 1024-byte context) on a CUDA machine.
+package's stochastic rounding and 8-bit moments. ``--gpu`` is the same study for GPT-2 124M (12 x 768, 1024-byte
+context) on a CUDA machine.
 
     python benchmarks/convergence.py --study width             # ~1 hour on 2 CPU cores
     python benchmarks/convergence.py --study width --quick     # 60 steps

@@ -2,11 +2,11 @@
 bf16-master flags and bf16-mixed.
 
 Every configuration runs the same model, world size and ZeRO-3 settings through ``deepspeed.initialize`` and two
-training steps, then reads bytes per parameter by category from the live buffers
-(``lightning_pure_bf16.memory.zero3_model_state_report``). The pure-bf16 rows use exactly what
-``DeepSpeedPureBF16Strategy`` uses (its config builder, master aliasing and state allocation). Peak memory is
-``torch.cuda.max_memory_allocated`` on CUDA; on the CPU it is the sum of every tensor reachable from the engine
-(parameters, optimizer, buckets), a tracked-buffer count. State in memory-mapped files (``state_storage="mmap"``)
+training steps (one configuration after the other, in the same processes), then reads bytes per parameter by
+category from the live buffers (``lightning_pure_bf16.memory.zero3_model_state_report``). The pure-bf16 rows use
+exactly what ``DeepSpeedPureBF16Strategy`` uses (its config builder, master aliasing and state allocation). Peak
+memory is ``torch.cuda.max_memory_allocated`` on CUDA; on the CPU it is the sum of every tensor reachable from the
+engine (parameters, optimizer, buckets), a tracked-buffer count. State in memory-mapped files (``state_storage="mmap"``)
 is reported in its own column and is in neither the total nor the peak.
 
     python benchmarks/memory.py            # 2 ranks on the CPU (gloo), ~4.2M-parameter MLP
@@ -65,11 +65,28 @@ def make_model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int, device: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, names: list[str], width: int, depth: int, device: str, out: str) -> None:
+    """Every configuration in ``names``, one after the other, in one process per rank (one process group)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     if device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
+    import gc
+
+    import deepspeed
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)  # before the process group, so NCCL binds this rank to its GPU
+    deepspeed.init_distributed("gloo" if device == "cpu" else "nccl", dist_init_required=True)
+    for name in names:
+        report = _measure_config(rank, name, width, depth, device, os.path.join(out, name))
+        if rank == 0:
+            torch.save(report, os.path.join(out, f"{name}.pt"))
+        gc.collect()
+    deepspeed.comm.destroy_process_group()
+
+
+def _measure_config(rank: int, name: str, width: int, depth: int, device: str, state_dir: str) -> dict:
     import argparse as ap
 
     import deepspeed
@@ -86,16 +103,16 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     )
 
     if device == "cuda":
-        torch.cuda.set_device(rank)  # before the process group, so NCCL binds this rank to its GPU
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    deepspeed.init_distributed("gloo" if device == "cpu" else "nccl", dist_init_required=True)
     torch.manual_seed(0)
     model = make_model(width, depth).to(torch.bfloat16)
     base = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": dict(ZERO), "zero_allow_untested_optimizer": True}
     if name.startswith("pure_bf16"):
         config = pure_bf16_deepspeed_config(base)
         rounding = "kahan" if "kahan" in name else "stochastic"
-        storage = {"state_storage": "mmap", "state_dir": os.path.dirname(out)} if name.endswith("mmap") else {}
+        os.makedirs(state_dir, exist_ok=True)
+        storage = {"state_storage": "mmap", "state_dir": state_dir} if name.endswith("mmap") else {}
         if "int8" in name:
             storage["moments"] = "int8"
             if "kahan" in name:
@@ -135,9 +152,8 @@ def _worker(rank: int, world: int, port: int, name: str, width: int, depth: int,
     report["peak_per_param"] = (torch.cuda.max_memory_allocated() if device == "cuda" else tracked) / report[
         "params_on_rank"
     ]
-    if rank == 0:
-        torch.save(report, out)
-    deepspeed.comm.destroy_process_group()
+    engine.destroy()
+    return report
 
 
 def _free_port() -> int:
@@ -146,14 +162,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(name: str, world: int, width: int, depth: int, device: str) -> dict[str, float]:
-    """Run one configuration on ``world`` processes and return rank 0's report."""
+def measure(names: list[str], world: int, width: int, depth: int, device: str) -> dict[str, dict[str, float]]:
+    """Run the configurations ``names`` on ``world`` processes (one after the other, in the same processes) and return
+    rank 0's report of each."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "report.pt")
         mp.start_processes(
-            _worker, args=(world, _free_port(), name, width, depth, device, out), nprocs=world, start_method="spawn"
+            _worker,
+            args=(world, _free_port(), list(names), width, depth, device, tmp),
+            nprocs=world,
+            start_method="spawn",
         )
-        return torch.load(out, weights_only=False)
+        return {name: torch.load(os.path.join(tmp, f"{name}.pt"), weights_only=False) for name in names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in make_model(width, depth).parameters())
 
     rows = []
-    for name in CONFIGS:
-        report = measure(name, world, width, depth, args.device)
+    for name, report in measure(CONFIGS, world, width, depth, args.device).items():
         dtypes = report.pop("dtypes")
         rows.append({"config": name, **{k: round(v, 3) for k, v in report.items()}, "dtypes": dtypes})
         print(f"{name:24s} {report['total']:.2f} B/param model state", file=sys.stderr)

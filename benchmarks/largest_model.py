@@ -1,0 +1,268 @@
+"""The largest model each option trains within one memory budget, found by training it.
+
+For each arm of ``benchmarks/_arms.py`` (DeepSpeed ZeRO-3 bf16 mixed precision, DeepSpeed's own bf16 flags, this
+strategy's five variants, FSDP2 with torch AdamW and with torchao's stochastic-rounding AdamW) the search trains the
+GPT of ``examples/gpt.py`` at a fixed depth and growing width for 3 optimizer steps, each size in fresh processes
+(2 ranks, gloo, on the CPU; one process per GPU on CUDA). A size counts only if its 3 steps finished within the
+budget: on the CPU the summed memory the ranks hold (anonymous and shared pages; an arm is stopped the moment it
+passes the budget, so the machine is never at risk), on CUDA ``torch.cuda.max_memory_allocated`` per GPU under
+``torch.cuda.set_per_process_memory_fraction``. The widths climb a fixed grid (doubling the step while they fit)
+and then bisect between the last size that fitted and the first that did not.
+
+    python benchmarks/largest_model.py                  # 12 GiB on the CPU, 4 layers (~30-60 min on 2 cores)
+    python benchmarks/largest_model.py --quick          # 2.5 GiB, 2 layers, coarse grid (< 5 min)
+    python benchmarks/largest_model.py --device cuda --budget-gib 40
+Writes DIR/largest_model{,_quick}.{csv,md,png} (every size tried: peak memory, whether it fitted, and why not), with
+DIR = benchmarks/results (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arms import ARMS, REFERENCE, Spec, launch  # noqa: E402
+from _results import write_results  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+GIB = 1024**3
+# Widths (multiples of 128; 64-wide heads) the search may try.
+GRID = [256, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816, 3072, 3584, 4096, 4608, 5120]
+GRID += [5632, 6144, 7168, 8192, 9216, 10240, 12288]
+QUICK_GRID = [128, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
+
+
+def _spec(width: int, args: argparse.Namespace) -> Spec:
+    return Spec(
+        n_layer=args.n_layer,
+        n_embd=width,
+        n_head=max(1, width // 64),
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        steps=3,
+        warmup=1,
+        device=args.device,
+        world_size=args.world_size,
+    )
+
+
+def search(arm: str, grid: list[int], start: int, args: argparse.Namespace, tries: list[dict]) -> int | None:
+    """Index in ``grid`` of the largest width ``arm`` trains within the budget (``None``: not even the smallest)."""
+    budget = int(args.budget_gib * GIB)
+    known: dict[int, bool] = {}
+
+    def fits(i: int) -> bool:
+        if i not in known:
+            r = launch(arm, _spec(grid[i], args), budget_bytes=budget, timeout_s=args.timeout)
+            known[i] = r["ok"]
+            why = r["why"].splitlines()[0] if r["why"] else ""
+            if why.startswith("failed") or why.startswith("timed out"):
+                print(f"{arm} width {grid[i]}: {r['why'][-3000:]}", file=sys.stderr, flush=True)
+            tries.append(
+                {
+                    "arm": arm,
+                    "width": grid[i],
+                    "params": r["params"],
+                    "fits": r["ok"],
+                    "peak_gib": round(r["peak_bytes"] / GIB, 3),
+                    "why_not": why,
+                    "before_model_gib": round(
+                        max((x["before_model_bytes"] for x in r["ranks"] if x), default=0) / GIB, 3
+                    ),
+                }
+            )
+            print(
+                f"{arm:22s} width {grid[i]:5d} {r['params'] / 1e6:8.1f}M params: peak {r['peak_bytes'] / GIB:6.2f} GiB"
+                f" {'fits' if r['ok'] else 'does not fit (' + why + ')'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return known[i]
+
+    # Find a bracket: climb while it fits (the step doubling), or descend while it does not.
+    i, step = start, 1
+    if fits(i):
+        lo, hi = i, None
+        while hi is None:
+            nxt = min(lo + step, len(grid) - 1)
+            if nxt == lo:
+                return lo  # the top of the grid fits
+            if fits(nxt):
+                lo, step = nxt, step * 2
+            else:
+                hi = nxt
+    else:
+        hi, lo = i, None
+        while lo is None:
+            nxt = max(hi - step, 0)
+            if fits(nxt):
+                lo = nxt
+            elif nxt == 0:
+                return None
+            else:
+                hi, step = nxt, step * 2
+    while hi - lo > 1:  # bisect
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def planner_largest(budget_gib: float, world_size: int, margin_gib: float) -> dict[str, float]:
+    """The largest model ``python -m lightning_pure_bf16.plan`` says fits each of its configurations, for a budget of
+    ``budget_gib`` over ``world_size`` devices and a margin of ``margin_gib`` per device (bisection on params)."""
+    from lightning_pure_bf16.plan import plan
+
+    out = {}
+    for config in plan(1e6, world_size, budget_gib / world_size, activation_margin_gib=margin_gib).fits:
+        lo, hi = 1e5, 1e13
+        while hi / lo > 1.001:
+            mid = math.sqrt(lo * hi)
+            p = plan(mid, world_size, budget_gib / world_size, activation_margin_gib=margin_gib)
+            lo, hi = (mid, hi) if p.fits[config] else (lo, mid)
+        out[config] = lo
+    return out
+
+
+# This benchmark's arms and the planner's configurations they correspond to.
+PLANNER_CONFIG = {
+    "ds_bf16_mixed": "deepspeed_bf16_mixed",
+    "ds_bf16_flags": "deepspeed_bf16_master",
+    "pure_bf16": "pure_bf16_stochastic",
+    "pure_bf16_kahan": "pure_bf16_kahan",
+    "pure_bf16_int8": "pure_bf16_int8",
+    "pure_bf16_int8_kahan": "pure_bf16_int8_kahan",
+    "pure_bf16_mmap": "pure_bf16_mmap",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2.5 GiB, 2 layers, a coarse grid")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--budget-gib", type=float, default=None, help="CPU: summed over ranks (default 12)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--n-layer", type=int, default=None, help="depth (default 4; --quick 2)")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, the GPUs on CUDA")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per size tried")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.budget_gib is None:
+        args.budget_gib = 2.5 if args.quick else (40.0 if args.device == "cuda" else 12.0)
+    if not args.budget_gib > 0:
+        parser.error(f"--budget-gib must be positive, got {args.budget_gib}")
+    if args.device == "cpu":
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+        if args.budget_gib > 0.75 * total:
+            parser.error(
+                f"--budget-gib {args.budget_gib:g} is more than 3/4 of this machine's {total:.0f} GiB: the search must"
+                " not take the machine down. Choose a smaller budget."
+            )
+    args.n_layer = args.n_layer or (2 if args.quick else 4)
+    if args.world_size is None:
+        import torch
+
+        args.world_size = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
+    grid = QUICK_GRID if args.quick else GRID
+
+    tries: list[dict] = []
+    largest: dict[str, int | None] = {}
+    start = grid.index(512) if args.quick else grid.index(1024)
+    for arm in args.arms:
+        largest[arm] = search(arm, grid, start, args, tries)
+        if arm == REFERENCE and largest[arm] is not None:
+            start = largest[arm]  # the other arms start from the reference's size
+
+    def best(arm: str) -> dict | None:
+        return max((t for t in tries if t["arm"] == arm and t["fits"]), key=lambda t: t["params"], default=None)
+
+    ref = best(REFERENCE)
+    where = "summed over the ranks" if args.device == "cpu" else "per GPU"
+    measured = (
+        "the anonymous and shared pages the ranks hold, sampled every millisecond"
+        if args.device == "cpu"
+        else "torch.cuda.max_memory_allocated"
+    )
+    command = shlex.join(["python", "benchmarks/largest_model.py", *(argv if argv is not None else sys.argv[1:])])
+    # What a rank holds before it builds the model (interpreter, libraries, process group): the planner's margin.
+    margin = max((t["before_model_gib"] for t in tries), default=0.0)
+    planned = planner_largest(args.budget_gib, args.world_size, margin)
+    lines = [
+        f"# The largest GPT each option trains in {args.budget_gib:g} GiB ({args.device}, {args.world_size} ranks)",
+        "",
+        f"Command: `{command}`. GPT of `examples/gpt.py`, {args.n_layer} layers, width on a grid of multiples of 128"
+        f" (64-wide heads), batch {args.batch_size} x {args.block_size} tokens, 3 optimizer steps per size in fresh"
+        f" processes. Memory: {measured} ({where}); a size fits when its 3 steps finished within the budget. Every"
+        " size tried is in the CSV.",
+        "",
+        "| arm | largest width | parameters | peak GiB | vs DeepSpeed bf16 mixed | planner's largest |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for arm in args.arms:
+        b = best(arm)
+        if b is None:
+            lines.append(f"| {ARMS[arm]} | none fits | | | | |")
+            continue
+        ratio = f"{b['params'] / ref['params']:.2f}x" if ref else ""
+        plan_text = ""
+        if arm in PLANNER_CONFIG:
+            p = planned[PLANNER_CONFIG[arm]]
+            plan_text = f"{p / 1e6:,.0f}M ({100 * (p - b['params']) / b['params']:+.0f}%)"
+        lines.append(
+            f"| {ARMS[arm]} | {b['width']} | {b['params'] / 1e6:,.1f}M | {b['peak_gib']:.2f} | {ratio} | {plan_text} |"
+        )
+    lines += [
+        "",
+        "The width grid is coarse at the top (steps of 256-1024), so a ratio can be off by one grid step either way;"
+        " the CSV has the first size that did not fit for each arm. The planner's column is"
+        f" `plan(params, gpus={args.world_size}, gpu_memory_gib={args.budget_gib / args.world_size:g},"
+        f" activation_margin_gib={margin:.2f})` (the margin is the memory a rank holds before it builds the model,"
+        " measured here) and its difference from the measured largest size.",
+        "",
+        "![peak memory against parameters](" + ("largest_model_quick" if args.quick else "largest_model") + ".png)",
+    ]
+    _plot(tries, args, ("largest_model_quick" if args.quick else "largest_model"))
+    stem = "largest_model_quick" if args.quick else "largest_model"
+    write_results(args.out, stem, tries, lines, command, also=("png",))
+    return 0
+
+
+def _plot(tries: list[dict], args: argparse.Namespace, stem: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for arm in args.arms:
+        mine = sorted((t for t in tries if t["arm"] == arm), key=lambda t: t["params"])
+        fit = [t for t in mine if t["fits"]]
+        line = ax.plot([t["params"] / 1e6 for t in fit], [t["peak_gib"] for t in fit], marker="o", label=ARMS[arm])
+        over = [t for t in mine if not t["fits"]]
+        ax.scatter(
+            [t["params"] / 1e6 for t in over], [t["peak_gib"] for t in over], marker="x", color=line[0].get_color()
+        )
+    ax.axhline(args.budget_gib, color="black", linestyle="--", label=f"budget {args.budget_gib:g} GiB")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (millions)")
+    ax.set_ylabel("peak memory (GiB)" + (", summed over ranks" if args.device == "cpu" else ", per GPU"))
+    ax.set_title(f"Peak memory of 3 training steps, GPT with {args.n_layer} layers (x: did not fit)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
