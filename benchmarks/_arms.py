@@ -127,6 +127,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_and_watch(
+    arm: str, spec: Spec, env: dict, tmp: str, budget_bytes: int | None, timeout_s: float, procs: list
+) -> tuple[str, int]:
+    """Start the ranks (appended to ``procs``) and wait for them; stop them all when the budget or the time runs out.
+    Returns why they were stopped ("" when they finished by themselves) and the largest summed memory sampled."""
+    for rank in range(spec.world_size):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        cmd = [sys.executable, __file__, arm, json.dumps(asdict(spec)), tmp]
+        log = open(Path(tmp) / f"log{rank}.txt", "w")  # noqa: SIM115 - closed by launch
+        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+    why, sampled_peak, start = "", 0, time.monotonic()
+    while any(p.poll() is None for p, _ in procs):
+        if spec.device == "cpu":
+            total = sum(_status_bytes(p.pid, *HELD) for p, _ in procs if p.poll() is None)
+            sampled_peak = max(sampled_peak, total)
+            if budget_bytes is not None and total > budget_bytes:
+                why = f"over the budget: {total / 1024**3:.2f} GiB resident"
+        if time.monotonic() - start > timeout_s:
+            why = f"timed out after {timeout_s:.0f} s"
+        if why:
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    return why, sampled_peak
+
+
 def launch(arm: str, spec: Spec, *, budget_bytes: int | None = None, timeout_s: float = 1800) -> dict:
     """Run one arm on ``spec.world_size`` ranks in fresh processes.
 
@@ -149,30 +177,17 @@ def launch(arm: str, spec: Spec, *, budget_bytes: int | None = None, timeout_s: 
         }
         if budget_bytes is not None:
             env["ARM_BUDGET_BYTES"] = str(budget_bytes)
+        # A terminated search (timeout, Ctrl-C) takes its ranks with it.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         procs = []
-        for rank in range(spec.world_size):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            cmd = [sys.executable, __file__, arm, json.dumps(asdict(spec)), tmp]
-            log = open(Path(tmp) / f"log{rank}.txt", "w")  # noqa: SIM115 - closed below
-            procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
-        why, sampled_peak, start = "", 0, time.monotonic()
-        while any(p.poll() is None for p, _ in procs):
-            if spec.device == "cpu":
-                total = sum(_status_bytes(p.pid, *HELD) for p, _ in procs if p.poll() is None)
-                sampled_peak = max(sampled_peak, total)
-                if budget_bytes is not None and total > budget_bytes:
-                    why = f"over the budget: {total / 1024**3:.2f} GiB resident"
-            if time.monotonic() - start > timeout_s:
-                why = f"timed out after {timeout_s:.0f} s"
-            if why:
-                for p, _ in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.01)
-        for p, log in procs:
-            p.wait()
-            log.close()
+        try:
+            why, sampled_peak = _start_and_watch(arm, spec, env, tmp, budget_bytes, timeout_s, procs)
+        finally:
+            for p, log in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+                log.close()
         ranks = []
         for rank in range(spec.world_size):
             path = Path(tmp) / f"rank{rank}.json"
@@ -349,6 +364,8 @@ def worker(arm: str, spec: Spec, tmp: Path) -> None:
         torch.cuda.set_per_process_memory_fraction(
             int(os.environ["ARM_BUDGET_BYTES"]) / torch.cuda.get_device_properties(0).total_memory
         )
+    if spec.device == "cpu":  # the cores shared between the ranks, as a launcher such as torchrun does
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     sampler = _PeakSampler() if spec.device == "cpu" and os.environ.get("ARM_BUDGET_BYTES") else None
     out: dict = {"steps_done": 0, "fwd_bwd_s": [], "optimizer_s": [], "at_start_bytes": _status_bytes("self", *HELD)}
     if arm.startswith("ds_"):

@@ -1,144 +1,113 @@
-"""GPT training throughput and peak memory: this strategy against DeepSpeed's bf16 mixed precision (ZeRO-3).
+"""GPT training throughput, every arm on the same model, data and batch, side by side in one run.
 
-Each arm runs in its own process (fresh CUDA memory statistics): the GPT of ``examples/gpt.py`` for a fixed number
-of steps; tokens/s is measured after the warm-up steps, peak memory with ``torch.cuda.max_memory_allocated``.
-DeepSpeed's own strategy needs CUDA, so on a CPU-only machine only this strategy's arm runs.
+The arms are those of ``benchmarks/_arms.py``: DeepSpeed ZeRO-3 bf16 mixed precision (the reference of every ratio),
+DeepSpeed's own bf16 flags, this strategy (stochastic rounding, Kahan, 8-bit moments, 8-bit Kahan, states in files)
+and FSDP2 with bf16 parameters (torch AdamW, torchao's stochastic-rounding AdamW). Each arm runs in fresh processes:
+2 ranks over gloo on the CPU (the cores shared between them), one process per GPU on CUDA. Per step, rank 0 times the
+forward and backward and the optimizer step (on CUDA after a synchronize); tokens/s counts every rank's tokens over
+the steps after the warm-up.
 
-    python benchmarks/gpt_throughput.py            # on a CUDA machine
-    python benchmarks/gpt_throughput.py --quick    # tiny model, few steps (checks the script on the CPU)
+    python benchmarks/gpt_throughput.py                  # CPU: 4 x 640 (20.1M parameters), 12 steps
+    python benchmarks/gpt_throughput.py --quick          # CPU: 2 x 128, 5 steps (< 5 min)
+    python benchmarks/gpt_throughput.py --device cuda    # GPT-2 124M (12 x 768, 1024 tokens), 30 steps
+Writes DIR/gpt_throughput{,_quick}.{csv,md} (DIR: benchmarks/results, or benchmarks/results/gpu on CUDA; --out).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import shlex
+import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
-from _results import write_results
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arms import ARMS, REFERENCE, Spec, launch  # noqa: E402
+from _results import write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-ARMS = {
-    "pure_bf16_stochastic": "this strategy (deepspeed_pure_bf16)",
-    "pure_bf16_kahan": "this strategy (deepspeed_pure_bf16_kahan)",
-    "deepspeed_bf16_mixed": "Lightning DeepSpeedStrategy(stage=3), precision='bf16-mixed'",
-}
-
-
-def run_arm(arm: str, args: argparse.Namespace) -> dict:
-    sys.path.insert(0, str(ROOT / "examples"))
-    from gpt import GPTModule, StdlibBytes
-    from lightning.pytorch import Callback, Trainer, seed_everything
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
-
-    class Clock(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
-            if trainer.global_step == args.warmup:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.start, self.start_step = time.perf_counter(), trainer.global_step
-
-        def on_train_end(self, trainer, pl_module):  # noqa: ANN001
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.seconds = time.perf_counter() - self.start
-            self.steps = trainer.global_step - self.start_step
-
-    seed_everything(0)
-    on_gpu = args.device == "cuda"
-    model = GPTModule(
-        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, max_steps=args.steps
-    )
-    data = StdlibBytes(
-        block_size=args.block_size, batch_size=args.batch_size, train_windows=args.steps * args.batch_size
-    )
-    if arm == "deepspeed_bf16_mixed":
-        strategy, precision = DeepSpeedStrategy(stage=3), "bf16-mixed"
-    else:
-        strategy, precision = DeepSpeedPureBF16Strategy(rounding=arm.rsplit("_", 1)[1]), "bf16-true"
-    clock = Clock()
-    trainer = Trainer(
-        accelerator="gpu" if on_gpu else "cpu",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=args.steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock],
-    )
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.fit(model, data)
-    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
-    return {
-        "arm": arm,
-        "params": n_params,
-        "tokens_per_s": clock.steps * args.batch_size * args.block_size / clock.seconds,
-        "peak_gib": torch.cuda.max_memory_allocated() / 1024**3 if on_gpu else float("nan"),
-    }
+RESULTS = Path(__file__).parent / "results"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT, 5 steps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, the GPUs on CUDA")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    big = args.device == "cuda" and not args.quick
-    args.n_layer, args.n_head, args.n_embd = (12, 12, 768) if big else (2, 4, 64)
-    args.block_size, args.batch_size = (512, 16) if big else (64, 8)
-    args.steps, args.warmup = (60, 10) if big else (8, 3)
+    gpu = args.device == "cuda"
+    if args.world_size is None:
+        import torch
 
-    if args.arm:  # child process: one arm, result as JSON on the last line
-        print(json.dumps(run_arm(args.arm, args)))
-        return 0
+        args.world_size = max(1, torch.cuda.device_count()) if gpu else 2
+    if args.quick:
+        shape = {"n_layer": 2, "n_embd": 128, "n_head": 2, "block_size": 64, "batch_size": 4, "steps": 5, "warmup": 2}
+    elif gpu:
+        shape = {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 1024, "batch_size": 8, "steps": 30}
+        shape["warmup"] = 10
+    else:
+        shape = {"n_layer": 4, "n_embd": 640, "n_head": 10, "block_size": 128, "batch_size": 8, "steps": 12}
+        shape["warmup"] = 4
+    spec = Spec(**shape, lr=1e-4, device=args.device, world_size=args.world_size)
 
-    out = args.out or (RESULTS / "gpu" if args.device == "cuda" else RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for arm in ARMS:
-        if arm == "deepspeed_bf16_mixed" and args.device != "cuda":
-            print(f"{arm}: skipped, Lightning's DeepSpeedStrategy needs CUDA", file=sys.stderr)
+    for arm in args.arms:
+        r = launch(arm, spec, timeout_s=1200)
+        if not r["ok"]:
+            print(f"{arm}: {r['why'][-3000:]}", file=sys.stderr, flush=True)
+            rows.append({"arm": arm, "ok": False, "why": r["why"].splitlines()[0]})
             continue
-        cmd = [sys.executable, __file__, "--arm", arm, "--device", args.device] + (["--quick"] if args.quick else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if proc.returncode != 0:
-            print(f"{arm}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
-            continue
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    if not rows:
-        return 1
+        # Each step's time is the slowest rank's (the ranks wait for one another in the collectives).
+        ranks = r["ranks"]
+        fwd_bwd = [max(x["fwd_bwd_s"][i] for x in ranks) for i in range(len(ranks[0]["fwd_bwd_s"]))]
+        opt = [max(x["optimizer_s"][i] for x in ranks) for i in range(len(ranks[0]["optimizer_s"]))]
+        step = [a + b for a, b in zip(fwd_bwd, opt)]
+        tokens = spec.world_size * spec.batch_size * spec.block_size
+        row = {
+            "arm": arm,
+            "ok": True,
+            "params": r["params"],
+            "tokens_per_s": round(tokens * len(step) / sum(step), 1),
+            "fwd_bwd_s": round(statistics.median(fwd_bwd), 4),
+            "optimizer_s": round(statistics.median(opt), 4),
+            "peak_gib": round(r["peak_bytes"] / 1024**3, 3),
+        }
+        rows.append(row)
+        print(
+            f"{arm:22s} {row['tokens_per_s']:10,.0f} tokens/s  forward+backward {row['fwd_bwd_s']:.3f} s  optimizer"
+            f" {row['optimizer_s']:.3f} s  peak {row['peak_gib']:.2f} GiB",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    out = args.out or (RESULTS / "gpu" if gpu else RESULTS)
     stem = "gpt_throughput_quick" if args.quick else "gpt_throughput"
-    command = "python benchmarks/gpt_throughput.py" + (" --quick" if args.quick else "")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    ref = next((r for r in rows if r["arm"] == "deepspeed_bf16_mixed"), None)
+    command = shlex.join(["python", "benchmarks/gpt_throughput.py", *(argv if argv is not None else sys.argv[1:])])
+    ref = next((r for r in rows if r["arm"] == REFERENCE and r["ok"]), None)
+    where = "summed over the ranks (resident high-water marks)" if not gpu else "torch.cuda.max_memory_allocated"
     lines = [
-        f"# GPT training throughput: {rows[0]['params']:,} parameters, 1 {device}",
+        f"# GPT training throughput: {spec.params():,} parameters, {args.world_size} {args.device} rank(s)",
         "",
-        f"Command: `{command}`. {args.steps} steps, tokens/s after {args.warmup} warm-up steps, batch"
-        f" {args.batch_size} x {args.block_size} tokens; peak = torch.cuda.max_memory_allocated.",
+        f"Command: `{command}`. GPT of `examples/gpt.py`, {spec.n_layer} layers x {spec.n_embd}, batch"
+        f" {spec.batch_size} x {spec.block_size} tokens per rank, {spec.steps} steps of which {spec.warmup} warm-up;"
+        f" the same token batches in every arm. Times are medians over the measured steps of the slowest rank; peak"
+        f" memory is {where}.",
         "",
-        "| arm | tokens/s | vs bf16-mixed | peak GiB | vs bf16-mixed |",
-        "|---|---:|---:|---:|---:|",
+        "| arm | tokens/s | vs DeepSpeed bf16 mixed | forward+backward s | optimizer step s | peak GiB |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        speed = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
-        mem = f"{r['peak_gib'] / ref['peak_gib']:.2f}x" if ref else ""
-        lines.append(f"| {ARMS[r['arm']]} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | {mem} |")
+        if not r["ok"]:
+            lines.append(f"| {ARMS[r['arm']]} | did not run: {r['why']} | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
+        lines.append(
+            f"| {ARMS[r['arm']]} | {r['tokens_per_s']:,.0f} | {ratio} | {r['fwd_bwd_s']:.3f} | {r['optimizer_s']:.3f} |"
+            f" {r['peak_gib']:.2f} |"
+        )
     write_results(out, stem, rows, lines, command)
-    return 0
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ GPT of ``examples/gpt.py`` at a fixed depth and growing width for 3 optimizer st
 budget: on the CPU the summed memory the ranks hold (anonymous and shared pages; an arm is stopped the moment it
 passes the budget, so the machine is never at risk), on CUDA ``torch.cuda.max_memory_allocated`` per GPU under
 ``torch.cuda.set_per_process_memory_fraction``. The widths climb a fixed grid (doubling the step while they fit)
-and then bisect between the last size that fitted and the first that did not.
+and then bisect between the last size that fitted and the first that did not; each arm starts at the width that
+``python -m lightning_pure_bf16.plan`` predicts for it, so that a good prediction costs two sizes.
 
     python benchmarks/largest_model.py                  # 12 GiB on the CPU, 4 layers (~30-60 min on 2 cores)
-    python benchmarks/largest_model.py --quick          # 2.5 GiB, 2 layers, coarse grid (< 5 min)
+    python benchmarks/largest_model.py --quick          # 2.5 GiB, 2 layers, 4 arms, a coarse grid (< 5 min)
     python benchmarks/largest_model.py --device cuda --budget-gib 40
 Writes DIR/largest_model{,_quick}.{csv,md,png} (every size tried: peak memory, whether it fitted, and why not), with
 DIR = benchmarks/results (--out).
@@ -33,7 +34,8 @@ GIB = 1024**3
 # Widths (multiples of 128; 64-wide heads) the search may try.
 GRID = [256, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816, 3072, 3584, 4096, 4608, 5120]
 GRID += [5632, 6144, 7168, 8192, 9216, 10240, 12288]
-QUICK_GRID = [128, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
+QUICK_GRID = [256, 512, 1024, 1536, 2048, 3072]
+QUICK_ARMS = ["ds_bf16_mixed", "pure_bf16", "pure_bf16_int8", "pure_bf16_mmap"]
 
 
 def _spec(width: int, args: argparse.Namespace) -> Spec:
@@ -114,17 +116,20 @@ def search(arm: str, grid: list[int], start: int, args: argparse.Namespace, trie
     return lo
 
 
-def planner_largest(budget_gib: float, world_size: int, margin_gib: float) -> dict[str, float]:
+def planner_largest(budget_gib: float, world_size: int, margin_gib: float, device: str) -> dict[str, float]:
     """The largest model ``python -m lightning_pure_bf16.plan`` says fits each of its configurations, for a budget of
-    ``budget_gib`` over ``world_size`` devices and a margin of ``margin_gib`` per device (bisection on params)."""
+    ``budget_gib`` over ``world_size`` devices, a margin of ``margin_gib`` per device and the device's buckets
+    (bisection on params)."""
+    from lightning_pure_bf16.core import CPU_BUCKET, GPU_BUCKET
     from lightning_pure_bf16.plan import plan
 
+    bucket = CPU_BUCKET if device == "cpu" else GPU_BUCKET
     out = {}
     for config in plan(1e6, world_size, budget_gib / world_size, activation_margin_gib=margin_gib).fits:
         lo, hi = 1e5, 1e13
         while hi / lo > 1.001:
             mid = math.sqrt(lo * hi)
-            p = plan(mid, world_size, budget_gib / world_size, activation_margin_gib=margin_gib)
+            p = plan(mid, world_size, budget_gib / world_size, activation_margin_gib=margin_gib, reduce_bucket=bucket)
             lo, hi = (mid, hi) if p.fits[config] else (lo, mid)
         out[config] = lo
     return out
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2.5 GiB, 2 layers, a coarse grid")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--budget-gib", type=float, default=None, help="CPU: summed over ranks (default 12)")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: all (--quick: four)")
     parser.add_argument("--n-layer", type=int, default=None, help="depth (default 4; --quick 2)")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=2)
@@ -169,19 +174,27 @@ def main(argv: list[str] | None = None) -> int:
                 " not take the machine down. Choose a smaller budget."
             )
     args.n_layer = args.n_layer or (2 if args.quick else 4)
+    args.arms = args.arms or (QUICK_ARMS if args.quick else list(ARMS))
     if args.world_size is None:
         import torch
 
         args.world_size = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
     grid = QUICK_GRID if args.quick else GRID
 
+    # Each arm's search starts at the width the planner predicts (FSDP2 arms: as this strategy's 8 bytes/param), with
+    # a margin of what a rank holds before it builds the model, measured on the first arm's first size.
     tries: list[dict] = []
     largest: dict[str, int | None] = {}
-    start = grid.index(512) if args.quick else grid.index(1024)
+    planned: dict[str, float] = {}
     for arm in args.arms:
+        if not tries:
+            start = grid.index(1024) if 1024 in grid else len(grid) // 2
+        else:
+            margin = max(t["before_model_gib"] for t in tries)
+            planned = planner_largest(args.budget_gib, args.world_size, margin, args.device)
+            predicted = planned[PLANNER_CONFIG.get(arm, "pure_bf16_stochastic")]
+            start = max([i for i, w in enumerate(grid) if _spec(w, args).params() <= predicted], default=0)
         largest[arm] = search(arm, grid, start, args, tries)
-        if arm == REFERENCE and largest[arm] is not None:
-            start = largest[arm]  # the other arms start from the reference's size
 
     def best(arm: str) -> dict | None:
         return max((t for t in tries if t["arm"] == arm and t["fits"]), key=lambda t: t["params"], default=None)
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/largest_model.py", *(argv if argv is not None else sys.argv[1:])])
     # What a rank holds before it builds the model (interpreter, libraries, process group): the planner's margin.
     margin = max((t["before_model_gib"] for t in tries), default=0.0)
-    planned = planner_largest(args.budget_gib, args.world_size, margin)
+    planned = planner_largest(args.budget_gib, args.world_size, margin, args.device)
     lines = [
         f"# The largest GPT each option trains in {args.budget_gib:g} GiB ({args.device}, {args.world_size} ranks)",
         "",
@@ -226,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         "The width grid is coarse at the top (steps of 256-1024), so a ratio can be off by one grid step either way;"
         " the CSV has the first size that did not fit for each arm. The planner's column is"
         f" `plan(params, gpus={args.world_size}, gpu_memory_gib={args.budget_gib / args.world_size:g},"
-        f" activation_margin_gib={margin:.2f})` (the margin is the memory a rank holds before it builds the model,"
-        " measured here) and its difference from the measured largest size.",
+        f" activation_margin_gib={margin:.2f}, reduce_bucket=<the device's>)` (the margin is the memory a rank holds"
+        " before it builds the model, measured here) and its difference from the measured largest size.",
         "",
         "![peak memory against parameters](" + ("largest_model_quick" if args.quick else "largest_model") + ".png)",
     ]

@@ -68,6 +68,7 @@ def plan(
     activation_margin_gib: float | None = None,
     gpus_per_node: int | None = None,
     disk_gbps: float | None = None,
+    reduce_bucket: int = REDUCE_BUCKET,
 ) -> Plan:
     """Per-GPU memory of each configuration and whether it fits.
 
@@ -82,6 +83,8 @@ def plan(
             ``min(gpus, 8)``).
         disk_gbps: read and write bandwidth, in GB/s, of the disk holding one node's state files; gives the time
             each step streams the states (default: ``None``, not estimated).
+        reduce_bucket: ZeRO-3's gradient reduce bucket in elements (default: DeepSpeed's, 2e8; the strategies use
+            5e6 on the CPU).
 
     Raises:
         ValueError: for non-positive sizes or a fraction outside [0, 1).
@@ -104,7 +107,7 @@ def plan(
         raise ValueError(f"--disk-gbps must be a positive number of GB/s, got {disk_gbps!r}.")
     trainable, frozen = params * (1 - frozen_fraction), params * frozen_fraction
     # Gathered bf16 parameters (at most DeepSpeed's live-parameter limit) plus the prefetch and reduce buckets.
-    buffers = 2 * (min(params, MAX_LIVE_PARAMETERS) + PREFETCH_BUCKET + REDUCE_BUCKET) / GIB
+    buffers = 2 * (min(params, MAX_LIVE_PARAMETERS) + PREFETCH_BUCKET + reduce_bucket) / GIB
     bpp, state, total, fits, files, seconds = {}, {}, {}, {}, {}, {}
     for config in MODEL_STATE_BYTES:
         state_bytes = (trainable * bytes_per_param(config) + frozen * FROZEN_BYTES) / gpus
