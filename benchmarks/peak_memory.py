@@ -17,6 +17,8 @@ over both ranks.
     python benchmarks/peak_memory.py --config '{"zero_optimization": {"stage3_max_reuse_distance": 0}}'
 
 ``--config`` is merged into every arm's DeepSpeed config (ZeRO-3's caches of gathered parameters, for example).
+``--upstream-step`` measures DeepSpeed's own optimizer step instead of this package's (which updates from views of
+the gradient partition and takes the gradient norm in pieces), for the comparison.
 
 Writes benchmarks/results/peak_memory{,_quick}.{csv,md}.
 """
@@ -82,8 +84,13 @@ class _Sampler(threading.Thread):
         self._stop.set()
 
 
-def worker(arm: str, d: int, out: Path, config: dict) -> None:
+def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool) -> None:
     """One fit; every rank writes its phases to ``out/rank{R}.json``."""
+    if upstream_step:  # DeepSpeed's own step: the flattened gradient copy and the full-size float64 norm
+        from lightning_pure_bf16 import _internals
+
+        _internals.view_sub_group_gradients = lambda zero_optimizer: None
+        _internals.gradient_norm_in_pieces = lambda zero_optimizer: None
     import torch
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
@@ -178,7 +185,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(arm: str, d: int, config: str) -> dict[str, float]:
+def measure(arm: str, d: int, config: str, upstream_step: bool = False) -> dict[str, float]:
     """Both ranks' phases of one fit, summed."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {
@@ -189,7 +196,8 @@ def measure(arm: str, d: int, config: str) -> dict[str, float]:
             "PYTHONWARNINGS": "ignore",
         }
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", arm, str(d), tmp, "--config", config],
+            [sys.executable, __file__, "--worker", arm, str(d), tmp, "--config", config]
+            + (["--upstream-step"] if upstream_step else []),
             capture_output=True,
             text=True,
             env=env,
@@ -212,17 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--label", default="", help="a note for the report (say, the commit)")
     parser.add_argument("--config", default="{}", help="JSON merged into each arm's DeepSpeed config")
+    parser.add_argument(
+        "--upstream-step",
+        action="store_true",
+        help="DeepSpeed's own optimizer step (its gradient copy and float64 norm), for the comparison",
+    )
     parser.add_argument("--name", default=None, help="results file name (default: peak_memory, peak_memory_quick)")
     parser.add_argument("--worker", nargs=3, metavar=("ARM", "D", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), Path(args.worker[2]), json.loads(args.config))
+        worker(args.worker[0], int(args.worker[1]), Path(args.worker[2]), json.loads(args.config), args.upstream_step)
         return 0
     sizes = args.sizes or ([512, 1024] if args.quick else [1024, 2048, 4096])
     rows = []
     for arm in args.arms:
         for d in sizes:
-            r = measure(arm, d, args.config)
+            r = measure(arm, d, args.config, args.upstream_step)
             rows.append({"arm": arm, "d": d, **r})
             gib = 1024**3
             print(

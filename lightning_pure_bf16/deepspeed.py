@@ -1,0 +1,288 @@
+"""Pure bf16 for plain DeepSpeed: ``lightning_pure_bf16.deepspeed.initialize``, a drop-in for ``deepspeed.initialize``.
+
+The third front end over the same core as the Trainer and Fabric strategies, for a training loop that calls
+DeepSpeed itself::
+
+    import lightning_pure_bf16.deepspeed as pure_bf16
+
+    engine, optimizer, _, _ = pure_bf16.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                                   config={"train_micro_batch_size_per_gpu": 8})
+    for x, y in loader:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+    pure_bf16.save_checkpoint(engine, "ckpt/step100")        # staged, fsynced, validated on load
+    pure_bf16.load_checkpoint(engine, "ckpt/step100")        # any world size
+
+It merges the pure-bf16 DeepSpeed config (bf16 everywhere, ZeRO stage 3, bf16 masters aliased to the parameter
+partition, bf16 optimizer states) over the user's and refuses settings that contradict it, converts a torch
+``AdamW``/``Adam`` (or the config's ``"optimizer"`` section, or builds one from ``model_parameters``) into this
+package's optimizer with the same options as the strategies, allocates the states at setup, counts steps ZeRO-3
+skips on inf/NaN, logs the measured memory per parameter, and runs on CUDA or on the CPU (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
+from lightning_pure_bf16.optim import Adam, AdamW
+from lightning_pure_bf16.optim.options import OptimizerOptions
+
+NAME = "lightning_pure_bf16.deepspeed"
+WHO = "lightning_pure_bf16.deepspeed.initialize"
+# DeepSpeed optimizer types the config's "optimizer" section may name (DeepSpeed's "Adam" is AdamW unless
+# "adam_w_mode" is false, which is Adam with L2 regularisation).
+_CONFIG_OPTIMIZERS = ("adam", "adamw")
+
+
+def _load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"`{WHO}(config={str(config)!r})`: no such file. Pass a dict or the path of a JSON config.")
+    return json.loads(path.read_text())
+
+
+def _optimizer_from_config(
+    section: dict[str, Any], params: Any, options: OptimizerOptions
+) -> tuple[AdamW, dict[str, Any]]:
+    """This package's AdamW from a DeepSpeed ``"optimizer"`` section (``{"type": "AdamW", "params": {...}}``)."""
+    kind = str(section.get("type", "")).lower()
+    if kind not in _CONFIG_OPTIMIZERS:
+        raise ValueError(
+            f"`{WHO}`: the config's optimizer is {section.get('type')!r}; pure bf16 trains with Adam or AdamW. Use"
+            ' `"type": "AdamW"`, or pass a torch.optim.AdamW as `optimizer`.'
+        )
+    hp = dict(section.get("params", {}))
+    unknown = sorted(set(hp) - {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"})
+    if unknown:
+        raise ValueError(f"`{WHO}`: the config's optimizer params {unknown} are not supported by pure bf16.")
+    if hp.pop("bias_correction", True) is not True:
+        raise ValueError(f"`{WHO}`: the config's optimizer asks for `bias_correction: false`, which pure bf16 lacks.")
+    hp.pop("torch_adam", None)
+    decoupled = hp.pop("adam_w_mode", True)
+    cls = AdamW if kind == "adamw" or decoupled else Adam
+    if "betas" in hp:
+        hp["betas"] = tuple(hp["betas"])
+    return cls(
+        params,
+        **hp,
+        rounding=options.rounding,
+        seed=options.seed,
+        backend=options.backend,
+        state_storage=options.state_storage,
+        state_dir=options.state_dir,
+        moments=options.moments,
+        compensation=options.compensation,
+    ), hp
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    config: dict[str, Any] | str | os.PathLike | None = None,
+    *,
+    rounding: str = "stochastic",
+    moments: str = "bf16",
+    compensation: str = "bf16",
+    state_storage: str = "memory",
+    state_dir: str | os.PathLike | None = None,
+    seed: int | None = None,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[Any, AdamW, Any, Any]:
+    """``deepspeed.initialize`` in pure bf16: the same arguments and return value, plus the strategies' options.
+
+    Args:
+        args, model, optimizer, model_parameters, training_data, lr_scheduler, config: as ``deepspeed.initialize``.
+            ``optimizer`` may be a ``torch.optim.AdamW``/``Adam`` (converted, hyperparameters and param groups
+            kept) or this package's ``AdamW``/``Adam``; without one, the config's ``"optimizer"`` section (type
+            Adam or AdamW) or else ``AdamW(model_parameters)`` with its defaults is built. ``config`` may hold a
+            ``"pure_bf16"`` section with ``state_storage`` and ``state_dir``, as the strategies' config does.
+        rounding, moments, compensation, state_storage, state_dir, seed, backend: as
+            :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
+        **kwargs: passed on to ``deepspeed.initialize`` (``collate_fn``, ``mpu``, ``dist_init_required``...).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)``; ``optimizer`` is the pure-bf16 optimizer (its
+        ``param_groups`` are what a scheduler should follow), stepped through ``engine.step()``.
+
+    Raises:
+        ValueError: a bad option, a config that contradicts pure bf16 (fp16, ZeRO stage 1/2, offload, fp32
+            gradient accumulation...), or a config optimizer other than Adam/AdamW, before anything is set up.
+        TypeError: an optimizer that cannot be converted.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    if model is None:
+        raise ValueError(f"`{WHO}` needs `model`.")
+    user = _load_config(config if config is not None else getattr(args, "deepspeed_config", None))
+    optimizer_section = user.pop("optimizer", None)
+    if optimizer is not None and optimizer_section is not None:
+        raise ValueError(
+            f'`{WHO}` got both `optimizer` and an `"optimizer"` section in the config; DeepSpeed refuses that too.'
+            " Pass one of them."
+        )
+    settings = core.PureBF16Settings(
+        who=WHO,
+        strategy_name=NAME,
+        loaded_config=user,
+        state_storage=state_storage,
+        state_dir=state_dir,
+        rounding=rounding,
+        seed=seed,
+        backend=backend,
+        moments=moments,
+        compensation=compensation,
+        reduce_bucket_size=None,
+        allgather_bucket_size=None,
+    )
+    full = settings.deepspeed_config({"zero_optimization": {"stage": 3}})
+    on_cpu = not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
+    _internals.set_deepspeed_accelerator("cpu" if on_cpu else "cuda")
+    if on_cpu:
+        for key in settings.default_buckets:
+            full["zero_optimization"][key] = core.CPU_BUCKET
+    options = settings.optimizer_options
+    params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None and optimizer_section is not None:
+        optimizer, _ = _optimizer_from_config(optimizer_section, params, options)
+    elif optimizer is None:
+        optimizer = AdamW(
+            params,
+            rounding=options.rounding,
+            seed=options.seed,
+            backend=options.backend,
+            state_storage=options.state_storage,
+            state_dir=options.state_dir,
+            moments=options.moments,
+            compensation=options.compensation,
+        )
+    else:
+        given = optimizer
+        optimizer = adopt_optimizer(given, options, who=WHO, source="the `optimizer` argument")
+        if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is given and optimizer is not given:
+            rebind_scheduler(lr_scheduler, optimizer)  # a scheduler built on the torch optimizer follows the new one
+
+    with core.process_group_destroyed_at_exit():
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    if not on_cpu:
+        torch.cuda.set_device(local_rank)
+    prepare_for_zero3(optimizer, base_seed=options.seed, global_rank=rank)
+    if on_cpu:
+        settings.prepare_cpu_loop(local_rank, lambda name: dist.barrier())
+    kwargs.setdefault("dist_init_required", False)
+    with _internals.alias_bf16_master_partitions():
+        engine, _, loader, scheduler = deepspeed.initialize(
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=None,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            config=full,
+            **kwargs,
+        )
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", local_rank)
+    meter = core.after_engine_setup(engine, NAME, device)
+    skips = core.SkipCounter()
+    skips.sync(engine)
+    step = engine.step
+
+    def step_and_count(*step_args: Any, **step_kwargs: Any) -> Any:
+        out = step(*step_args, **step_kwargs)
+        skips.update(engine, NAME)
+        return out
+
+    engine.step = step_and_count  # per engine: a step ZeRO-3 skipped on inf/NaN is counted and warned about
+    engine.pure_bf16 = _Handle(engine, meter, skips)
+    return engine, optimizer, loader, scheduler
+
+
+class _Handle:
+    """What the front end keeps on the engine (``engine.pure_bf16``): the memory report, the measured peak, skips."""
+
+    def __init__(self, engine: Any, meter: Any, skips: core.SkipCounter) -> None:
+        self._engine, self._meter, self._skips = engine, meter, skips
+
+    def memory_report(self) -> dict[str, float]:
+        """Model-state bytes per parameter on this rank (see ``DeepSpeedPureBF16Strategy.memory_report``)."""
+        return core.memory_report(self._engine)
+
+    def peak_memory(self) -> dict[str, Any] | None:
+        """This rank's measured peak since setup (see ``DeepSpeedPureBF16Strategy.peak_memory``)."""
+        return core.peak_memory(self._engine, self._meter)
+
+    def resync_skips(self) -> None:
+        self._skips.sync(self._engine)
+
+
+def _handle(engine: Any, what: str) -> _Handle:
+    handle = getattr(engine, "pure_bf16", None)
+    if not isinstance(handle, _Handle):
+        raise ValueError(
+            f"`{NAME}.{what}` needs an engine made by `{WHO}`; this one was not (got {type(engine).__name__})."
+        )
+    return handle
+
+
+def save_checkpoint(engine: Any, path: str | os.PathLike, client_state: dict[str, Any] | None = None) -> None:
+    """Save on every rank (same ``path``): DeepSpeed's sharded checkpoint, written to a staging directory, fsynced and
+    moved into place, so that a crash leaves the previous checkpoint or the new one, never half of one."""
+    import torch.distributed as dist
+
+    _handle(engine, "save_checkpoint")
+    core.save_checkpoint(
+        engine,
+        path,
+        dict(client_state or {}),
+        world_size=dist.get_world_size(),
+        is_global_zero=dist.get_rank() == 0,
+        barrier=lambda name: dist.barrier(),
+        exclude_frozen_parameters=False,
+    )
+
+
+def load_checkpoint(
+    engine: Any, path: str | os.PathLike, *, load_optimizer_states: bool = True, strict: bool = True
+) -> dict[str, Any]:
+    """Check, then load a checkpoint saved by :func:`save_checkpoint` (or by the strategies) into ``engine``, from
+    any world size (re-partitioned when it differs); returns the ``client_state`` saved with it.
+
+    Raises:
+        lightning_pure_bf16.CheckpointError: naming the file and what is wrong, before anything is loaded.
+    """
+    import torch.distributed as dist
+
+    handle = _handle(engine, "load_checkpoint")
+    client_state, _ = core.load_checkpoint(
+        engine,
+        path,
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        load_optimizer_states=load_optimizer_states,
+        strict=strict,
+        strategy_name=NAME,
+    )
+    handle.resync_skips()
+    return client_state
+
+
+__all__ = ["initialize", "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,76 @@
+"""Plain DeepSpeed through ``lightning_pure_bf16.deepspeed.initialize`` on 2 CPU processes (spawned here): the user's
+own loop (``engine.backward``, ``engine.step``), a checkpoint mid-way and a resume; each rank writes what it saw.
+
+    python ds_mlp.py OUT '{"steps": 6, "save_at": 3, ...}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from _models import MLP, data, param_groups
+
+
+def worker(rank: int, out: Path, opts: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(opts.get("world", 2)))
+    import lightning_pure_bf16.deepspeed as pure_bf16
+
+    torch.manual_seed(0)
+    model = MLP()
+    config = {"train_micro_batch_size_per_gpu": 8, **opts.get("config", {})}
+    kind = opts.get("optimizer", "torch_adamw")
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2) if kind == "torch_adamw" else None
+    engine, opt, _, _ = pure_bf16.initialize(
+        model=model, optimizer=optimizer, config=config, seed=7, **opts.get("options", {})
+    )
+    x, y = data(64).tensors
+    state = {"step": 0}
+    if opts.get("resume"):
+        state.update(pure_bf16.load_checkpoint(engine, opts["resume"]))
+    losses = []
+    while state["step"] < opts["steps"]:
+        i = state["step"] % 4
+        xb = x[i * 16 + rank * 8 : i * 16 + rank * 8 + 8].to(torch.bfloat16)
+        yb = y[i * 16 + rank * 8 : i * 16 + rank * 8 + 8]
+        if opts.get("nan_step") == state["step"] and rank == 0:
+            xb = xb * float("nan")
+        loss = (engine(xb).float() - yb).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        state["step"] += 1
+        if opts.get("save_at") == state["step"]:
+            pure_bf16.save_checkpoint(engine, opts["save_path"], client_state={"step": state["step"]})
+    inner = engine.optimizer.optimizer
+    torch.save(
+        {
+            "losses": losses,
+            "flat_params": [t.detach().clone() for t in engine.optimizer.fp16_partitioned_groups_flat],
+            "state": {
+                i: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+                for i, st in enumerate(inner.state.values())
+            },
+            "optimizer_class": type(inner).__name__,
+            "returned_is_inner": opt is inner,
+            "lr": [g["lr"] for g in inner.param_groups],
+            "weight_decay": [g["weight_decay"] for g in inner.param_groups],
+            "rounding": [g["rounding"] for g in inner.param_groups],
+            "memory_report": engine.pure_bf16.memory_report(),
+            "peak_memory": engine.pure_bf16.peak_memory(),
+            "skipped_steps": inner.skipped_steps,
+            "engine_skipped_steps": engine.skipped_steps,
+        },
+        out / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    out, opts = Path(sys.argv[1]), json.loads(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
