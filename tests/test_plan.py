@@ -109,3 +109,10 @@ def test_planner_agrees_with_measured_memory(tmp_path):
     assert measured["pure_bf16_int8"]["dtypes"] == (
         "param bfloat16; grad bfloat16; exp_avg bfloat16, int8; exp_avg_sq bfloat16, uint8"
     )
+
+
+def test_the_reduce_bucket_enters_the_working_set():
+    # The strategies use 5e6-element buckets on the CPU, DeepSpeed's 2e8 elsewhere: the planner counts the one given.
+    gpu, cpu = plan(1e9, 2, 80), plan(1e9, 2, 80, reduce_bucket=5_000_000)
+    assert gpu.working_buffers_gib - cpu.working_buffers_gib == pytest.approx(2 * (200_000_000 - 5_000_000) / 1024**3)
+    assert cpu.per_gpu_total_gib["pure_bf16_stochastic"] < gpu.per_gpu_total_gib["pure_bf16_stochastic"]
