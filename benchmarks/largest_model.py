@@ -8,7 +8,9 @@ budget: on the CPU the summed memory the ranks hold (anonymous and shared pages;
 passes the budget, so the machine is never at risk), on CUDA ``torch.cuda.max_memory_allocated`` per GPU under
 ``torch.cuda.set_per_process_memory_fraction``. The widths climb a fixed grid (doubling the step while they fit)
 and then bisect between the last size that fitted and the first that did not; each arm starts at the width that
-``python -m lightning_pure_bf16.plan`` predicts for it, so that a good prediction costs two sizes.
+``python -m lightning_pure_bf16.plan`` predicts for it (with the memory a rank holds before it builds the model,
+measured on the smallest size first, as the margin), so that a good prediction costs two sizes. The results are
+written after each arm.
 
     python benchmarks/largest_model.py                  # 12 GiB on the CPU, 4 layers (~30-60 min on 2 cores)
     python benchmarks/largest_model.py --quick          # 2.5 GiB, 2 layers, 4 arms, a coarse grid (< 5 min)
@@ -185,16 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     # a margin of what a rank holds before it builds the model, measured on the first arm's first size.
     tries: list[dict] = []
     largest: dict[str, int | None] = {}
-    planned: dict[str, float] = {}
     for arm in args.arms:
-        if not tries:
-            start = grid.index(1024) if 1024 in grid else len(grid) // 2
+        if not tries:  # the smallest size of the first arm measures the margin
+            search_probe = launch(arm, _spec(grid[0], args), budget_bytes=int(args.budget_gib * GIB))
+            probe = max((x["before_model_bytes"] for x in search_probe["ranks"] if x), default=0) / GIB
         else:
-            margin = max(t["before_model_gib"] for t in tries)
-            planned = planner_largest(args.budget_gib, args.world_size, margin, args.device)
-            predicted = planned[PLANNER_CONFIG.get(arm, "pure_bf16_stochastic")]
-            start = max([i for i, w in enumerate(grid) if _spec(w, args).params() <= predicted], default=0)
+            probe = 0.0
+        margin = max([t["before_model_gib"] for t in tries] + [probe])
+        predicted = planner_largest(args.budget_gib, args.world_size, margin, args.device)
+        predicted_params = predicted[PLANNER_CONFIG.get(arm, "pure_bf16_stochastic")]
+        start = max([i for i, w in enumerate(grid) if _spec(w, args).params() <= predicted_params], default=0)
         largest[arm] = search(arm, grid, start, args, tries)
+        write_report(args, argv, tries)  # as it goes: a long search that stops keeps the arms it finished
+    return 0
+
+
+def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[dict]) -> None:
+    """The table, the CSV of every size tried, and the plot, for the arms searched so far."""
 
     def best(arm: str) -> dict | None:
         return max((t for t in tries if t["arm"] == arm and t["fits"]), key=lambda t: t["params"], default=None)
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "| arm | largest width | parameters | peak GiB | vs DeepSpeed bf16 mixed | planner's largest |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for arm in args.arms:
+    for arm in dict.fromkeys(t["arm"] for t in tries):
         b = best(arm)
         if b is None:
             lines.append(f"| {ARMS[arm]} | none fits | | | | |")
@@ -247,7 +256,6 @@ def main(argv: list[str] | None = None) -> int:
     _plot(tries, args, ("largest_model_quick" if args.quick else "largest_model"))
     stem = "largest_model_quick" if args.quick else "largest_model"
     write_results(args.out, stem, tries, lines, command, also=("png",))
-    return 0
 
 
 def _plot(tries: list[dict], args: argparse.Namespace, stem: str) -> None:
@@ -258,7 +266,7 @@ def _plot(tries: list[dict], args: argparse.Namespace, stem: str) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for arm in args.arms:
+    for arm in dict.fromkeys(t["arm"] for t in tries):
         mine = sorted((t for t in tries if t["arm"] == arm), key=lambda t: t["params"])
         fit = [t for t in mine if t["fits"]]
         line = ax.plot([t["params"] / 1e6 for t in fit], [t["peak_gib"] for t in fit], marker="o", label=ARMS[arm])
