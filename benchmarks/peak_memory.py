@@ -84,7 +84,7 @@ class _Sampler(threading.Thread):
         self._stop.set()
 
 
-def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool) -> None:
+def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layers: int) -> None:
     """One fit; every rank writes its phases to ``out/rank{R}.json``."""
     if upstream_step:  # DeepSpeed's own step: the flattened gradient copy and the full-size float64 norm
         from lightning_pure_bf16 import _internals
@@ -137,7 +137,7 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool) -> No
     class Plain(LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(LAYERS)])
+            self.net = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)])
 
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
             return self.net(batch[0]).float().pow(2).mean()
@@ -185,7 +185,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(arm: str, d: int, config: str, upstream_step: bool = False) -> dict[str, float]:
+def measure(arm: str, d: int, config: str, upstream_step: bool = False, layers: int = LAYERS) -> dict[str, float]:
     """Both ranks' phases of one fit, summed."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {
@@ -197,7 +197,8 @@ def measure(arm: str, d: int, config: str, upstream_step: bool = False) -> dict[
         }
         proc = subprocess.run(
             [sys.executable, __file__, "--worker", arm, str(d), tmp, "--config", config]
-            + (["--upstream-step"] if upstream_step else []),
+            + (["--upstream-step"] if upstream_step else [])
+            + ["--layers", str(layers)],
             capture_output=True,
             text=True,
             env=env,
@@ -225,17 +226,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="DeepSpeed's own optimizer step (its gradient copy and float64 norm), for the comparison",
     )
+    parser.add_argument("--layers", type=int, default=LAYERS, help="linear layers in the module (default 8)")
     parser.add_argument("--name", default=None, help="results file name (default: peak_memory, peak_memory_quick)")
     parser.add_argument("--worker", nargs=3, metavar=("ARM", "D", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), Path(args.worker[2]), json.loads(args.config), args.upstream_step)
+        worker(
+            args.worker[0],
+            int(args.worker[1]),
+            Path(args.worker[2]),
+            json.loads(args.config),
+            args.upstream_step,
+            args.layers,
+        )
         return 0
     sizes = args.sizes or ([512, 1024] if args.quick else [1024, 2048, 4096])
     rows = []
     for arm in args.arms:
         for d in sizes:
-            r = measure(arm, d, args.config, args.upstream_step)
+            r = measure(arm, d, args.config, args.upstream_step, args.layers)
             rows.append({"arm": arm, "d": d, **r})
             gib = 1024**3
             print(
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Memory by phase of a fit, 2 CPU ranks (gloo), the sum of both ranks' anonymous resident memory",
         "",
-        f"Command: `{command}`. {args.label} Module: {LAYERS} bias-free d x d linear layers, batch {BATCH}, "
+        f"Command: `{command}`. {args.label} Module: {args.layers} bias-free d x d linear layers, batch {BATCH}, "
         f"{STEPS} steps; the step peaks are the largest over steps 2-{STEPS}.",
         "",
         "| arm | d | parameters | model state B/param | before setup GiB | after setup GiB | between steps GiB |"
