@@ -53,7 +53,7 @@ OURS = {
     "pure_bf16": {},
     "pure_bf16_kahan": {"rounding": "kahan"},
     "pure_bf16_int8": {"moments": "int8"},
-    "pure_bf16_int8_kahan": {"moments": "int8", "compensation": "int8"},
+    "pure_bf16_int8_kahan": {"rounding": "kahan", "moments": "int8", "compensation": "int8"},
     "pure_bf16_mmap": {"state_storage": "mmap"},
 }
 REFERENCE = "ds_bf16_mixed"
