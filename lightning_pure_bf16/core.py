@@ -192,12 +192,13 @@ class PureBF16Settings:
         return pure_bf16_deepspeed_config(base, self.user_config, strategy_name=self.strategy_name)
 
     def configure_device(self, config: dict[str, Any], precision: Any, *, on_cpu: bool) -> None:
-        """Point DeepSpeed at the device, set the CPU's buckets, and decide float32 products on CPUs without bf16."""
+        """Point DeepSpeed at the device, set the CPU's buckets, and decide float32 products on CPUs without bf16
+        (with a precision plugin; ``None``: the products are left as the model computes them)."""
         _internals.set_deepspeed_accelerator("cpu" if on_cpu else "cuda")
         if on_cpu:
             for key in self.default_buckets:
                 config["zero_optimization"][key] = CPU_BUCKET
-        reason = precision.use_float32_matmul("cpu" if on_cpu else "cuda")
+        reason = precision.use_float32_matmul("cpu" if on_cpu else "cuda") if precision is not None else None
         if reason is not None:
             # ZeRO-3's memory-efficient linear is a custom autograd function whose backward products would stay bf16;
             # plain F.linear records the float32 casts, so its backward runs in float32 too.

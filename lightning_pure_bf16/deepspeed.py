@@ -53,9 +53,7 @@ def _load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str,
     return json.loads(path.read_text())
 
 
-def _optimizer_from_config(
-    section: dict[str, Any], params: Any, options: OptimizerOptions
-) -> tuple[AdamW, dict[str, Any]]:
+def _optimizer_from_config(section: dict[str, Any], params: Any, options: OptimizerOptions) -> AdamW:
     """This package's AdamW from a DeepSpeed ``"optimizer"`` section (``{"type": "AdamW", "params": {...}}``)."""
     kind = str(section.get("type", "")).lower()
     if kind not in _CONFIG_OPTIMIZERS:
@@ -74,17 +72,7 @@ def _optimizer_from_config(
     cls = AdamW if kind == "adamw" or decoupled else Adam
     if "betas" in hp:
         hp["betas"] = tuple(hp["betas"])
-    return cls(
-        params,
-        **hp,
-        rounding=options.rounding,
-        seed=options.seed,
-        backend=options.backend,
-        state_storage=options.state_storage,
-        state_dir=options.state_dir,
-        moments=options.moments,
-        compensation=options.compensation,
-    ), hp
+    return cls(params, **hp, **options.optimizer_kwargs())
 
 
 def initialize(
@@ -154,25 +142,13 @@ def initialize(
     )
     full = settings.deepspeed_config({"zero_optimization": {"stage": 3}})
     on_cpu = not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
-    _internals.set_deepspeed_accelerator("cpu" if on_cpu else "cuda")
-    if on_cpu:
-        for key in settings.default_buckets:
-            full["zero_optimization"][key] = core.CPU_BUCKET
+    settings.configure_device(full, None, on_cpu=on_cpu)  # no precision plugin: the user's model decides its products
     options = settings.optimizer_options
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     if optimizer is None and optimizer_section is not None:
-        optimizer, _ = _optimizer_from_config(optimizer_section, params, options)
+        optimizer = _optimizer_from_config(optimizer_section, params, options)
     elif optimizer is None:
-        optimizer = AdamW(
-            params,
-            rounding=options.rounding,
-            seed=options.seed,
-            backend=options.backend,
-            state_storage=options.state_storage,
-            state_dir=options.state_dir,
-            moments=options.moments,
-            compensation=options.compensation,
-        )
+        optimizer = AdamW(params, **options.optimizer_kwargs())
     else:
         given = optimizer
         optimizer = adopt_optimizer(given, options, who=WHO, source="the `optimizer` argument")
