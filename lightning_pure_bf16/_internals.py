@@ -62,6 +62,9 @@ class PrivateName:
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _LIGHTNING_DS = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
+_ACCELERATOR = "accelerate.accelerator:Accelerator"
+# Owners in optional dependencies: checked where they are installed.
+OPTIONAL_OWNERS = ("accelerate", "transformers")
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # DeepSpeed ZeRO-3 optimizer
@@ -216,6 +219,20 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "a warning _warnings.py filters",
     ),
     PrivateName("torch.optim:Optimizer.load_state_dict", "self.__setstate__(", "marker", "AdamW.__setstate__"),
+    # Accelerate (the integrations, optional): what its DeepSpeed preparation calls
+    PrivateName(
+        _ACCELERATOR,
+        "_prepare_deepspeed",
+        "method",
+        "run with deepspeed.initialize routed to lightning_pure_bf16.deepspeed.initialize (integrations)",
+        ("self",),
+    ),
+    PrivateName(
+        f"{_ACCELERATOR}._prepare_deepspeed",
+        "ds_initialize = deepspeed.initialize",
+        "marker",
+        "the function it reads when it runs, replaced for that time (integrations)",
+    ),
     PrivateName("torch.cpu", "get_capabilities", "function", "precision.py: does this CPU have bf16 dot products"),
     PrivateName(
         "torch.utils.cpp_extension", "_get_build_directory", "function", "build.py's cache path", ("name", "verbose")
@@ -532,6 +549,44 @@ def engine_skipped_steps(engine: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ Lightning
+# ------------------------------------------------------------------------------------------------------ Accelerate
+_REPLACED_INITIALIZE: list[Any] = []
+
+
+def deepspeed_initialize() -> Any:
+    """DeepSpeed's own ``deepspeed.initialize``, also while :func:`deepspeed_initialize_replaced` runs."""
+    import deepspeed
+
+    return _REPLACED_INITIALIZE[0] if _REPLACED_INITIALIZE else deepspeed.initialize
+
+
+@contextmanager
+def deepspeed_initialize_replaced(initialize: Any) -> Iterator[None]:
+    """``deepspeed.initialize`` is ``initialize`` while the block runs (Accelerate reads it when it prepares)."""
+    import deepspeed
+
+    if _REPLACED_INITIALIZE:  # already routed (a nested prepare): nothing more to replace
+        yield
+        return
+    _REPLACED_INITIALIZE.append(deepspeed.initialize)
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = _REPLACED_INITIALIZE.pop()
+
+
+def route_accelerate_deepspeed(accelerator: Any, initialize: Any) -> None:
+    """This ``Accelerator`` prepares DeepSpeed models with ``initialize`` instead of ``deepspeed.initialize``."""
+    prepare = _read(accelerator, "_prepare_deepspeed", "Accelerate's DeepSpeed preparation")
+
+    def prepare_deepspeed(*args: Any) -> Any:
+        with deepspeed_initialize_replaced(initialize):
+            return prepare(*args)
+
+    accelerator._prepare_deepspeed = prepare_deepspeed
+
+
 def lightning_remove_module_hooks(model: torch.nn.Module) -> None:
     """Lightning's own clean-up of DeepSpeed's module hooks before an inference engine is built."""
     from lightning.pytorch.strategies.deepspeed import remove_module_hooks

@@ -107,6 +107,40 @@ def save_staged(
     barrier("pure_bf16_save_done")
 
 
+LATEST = "latest"
+
+
+def write_latest_tag(save_dir: str | os.PathLike, tag: str) -> None:
+    """Write DeepSpeed's ``latest`` file (the tag of the newest checkpoint in ``save_dir``): a whole new file moved
+    over the old one, fsynced, so a crash leaves one tag or the other."""
+    directory = Path(save_dir)
+    staged = directory / f".{LATEST}.tmp"
+    with open(staged, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, directory / LATEST)
+    fsync_tree(directory, recursive=False)
+
+
+def read_latest_tag(load_dir: str | os.PathLike) -> str:
+    """The tag in ``load_dir/latest``.
+
+    Raises:
+        CheckpointError: no ``latest`` file, or one naming a checkpoint that is not there.
+    """
+    latest = Path(load_dir) / LATEST
+    if not latest.is_file():
+        raise CheckpointError(
+            f"No checkpoint to load in '{load_dir}': it has no '{LATEST}' file naming one. Pass the directory"
+            " `save_checkpoint` was given, or the tag of the checkpoint to load."
+        )
+    tag = latest.read_text().strip()
+    if not _recover_path(Path(load_dir) / tag).exists():
+        raise CheckpointError(f"'{latest}' names the checkpoint '{tag}', which is not in '{load_dir}'.")
+    return tag
+
+
 def _remove(p: Path) -> None:
     if p.is_dir():
         shutil.rmtree(p)

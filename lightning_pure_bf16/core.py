@@ -22,7 +22,15 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_pure_bf16 import _internals
-from lightning_pure_bf16.checkpoint import TAG, CheckpointError, save_staged, tag_directory, validate_checkpoint
+from lightning_pure_bf16.checkpoint import (
+    TAG,
+    CheckpointError,
+    read_latest_tag,
+    save_staged,
+    tag_directory,
+    validate_checkpoint,
+    write_latest_tag,
+)
 from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
 from lightning_pure_bf16.memory import PeakMeter, format_peak, format_report, peak_report, zero3_model_state_report
 from lightning_pure_bf16.optim import AdamW, fused_cpu_available
@@ -324,8 +332,13 @@ def save_checkpoint(
     """DeepSpeed's sharded checkpoint, staged, fsynced and moved into place (every rank; ``filepath`` the same)."""
 
     def write(staged: Path) -> None:
-        engine.save_checkpoint(
-            os.fspath(staged), client_state=client_state, tag=TAG, exclude_frozen_parameters=exclude_frozen_parameters
+        # The class's method: a front end may route the engine's own ``save_checkpoint`` here.
+        type(engine).save_checkpoint(
+            engine,
+            os.fspath(staged),
+            client_state=client_state,
+            tag=TAG,
+            exclude_frozen_parameters=exclude_frozen_parameters,
         )
 
     save_staged(filepath, write, world_size=world_size, is_global_zero=is_global_zero, barrier=barrier, **info)
@@ -340,9 +353,13 @@ def load_checkpoint(
     load_optimizer_states: bool,
     strict: bool,
     strategy_name: str,
+    load_lr_scheduler_states: bool = False,
 ) -> tuple[dict[str, Any], ZeroCheckpoint | None]:
     """Check, then load a checkpoint into a live engine; returns the client state and, when the checkpoint had to be
     re-partitioned (another world size or sub-group layout, or DeepSpeed bf16-mixed), its reader.
+
+    ``load_lr_scheduler_states``: also restore the scheduler given to ``deepspeed.initialize`` (``engine.lr_scheduler``)
+    from the checkpoint (the Lightning strategies leave schedulers to Lightning).
 
     Raises:
         CheckpointError: naming the file and what to do, before anything is loaded.
@@ -360,11 +377,12 @@ def load_checkpoint(
     except RepartitionError as err:
         raise CheckpointError(str(err)) from err
     if same_layout:
-        _, client_state = engine.load_checkpoint(
+        _, client_state = type(engine).load_checkpoint(  # the class's method, as in save_checkpoint
+            engine,
             os.fspath(directory),
             tag=TAG,
             load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=False,
+            load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_strict=strict,
         )
         if client_state is None:
@@ -377,6 +395,8 @@ def load_checkpoint(
         global_samples=int(state.get("global_samples", 0)),
         skipped_steps=int(state.get("skipped_steps", 0)),
     )
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     source = "DeepSpeed bf16-mixed (fp32 masters)" if saved.master_dtype == torch.float32 else "pure bf16"
     rank_zero_info(
         f"{strategy_name}: re-partitioned the {source} checkpoint '{checkpoint_path}' written by {saved.world_size}"
@@ -443,5 +463,7 @@ __all__ = [
     "inner_optimizer",
     "load_checkpoint",
     "memory_report",
+    "read_latest_tag",
     "save_checkpoint",
+    "write_latest_tag",
 ]

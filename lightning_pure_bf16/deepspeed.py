@@ -75,6 +75,34 @@ def _optimizer_from_config(section: dict[str, Any], params: Any, options: Optimi
     return cls(params, **hp, **options.optimizer_kwargs())
 
 
+def checked_options(who: str, **options: Any) -> dict[str, Any]:
+    """``options`` (``rounding``, ``moments``, ``compensation``, ``state_storage``, ``state_dir``, ``seed``,
+    ``backend``) after the checks :func:`initialize` makes, with the same words naming ``who``: for a front end over
+    this one that must refuse a bad value before it sets anything up.
+
+    Raises:
+        ValueError: a bad option.
+    """
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"`{who}` got unknown options {unknown}; it accepts {list(OPTION_NAMES)}.")
+    defaults = {"rounding": "stochastic", "moments": "bf16", "compensation": "bf16", "state_storage": "memory"}
+    defaults.update({"state_dir": None, "seed": None, "backend": "auto"})
+    options = {**defaults, **options}
+    core.PureBF16Settings(
+        who=who,
+        strategy_name=who,
+        loaded_config=None,
+        reduce_bucket_size=None,
+        allgather_bucket_size=None,
+        **options,
+    )
+    return options
+
+
+OPTION_NAMES = ("rounding", "moments", "compensation", "state_storage", "state_dir", "seed", "backend")
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -83,6 +111,7 @@ def initialize(
     training_data: Any = None,
     lr_scheduler: Any = None,
     config: dict[str, Any] | str | os.PathLike | None = None,
+    config_params: dict[str, Any] | str | os.PathLike | None = None,
     *,
     rounding: str = "stochastic",
     moments: str = "bf16",
@@ -96,7 +125,8 @@ def initialize(
     """``deepspeed.initialize`` in pure bf16: the same arguments and return value, plus the strategies' options.
 
     Args:
-        args, model, optimizer, model_parameters, training_data, lr_scheduler, config: as ``deepspeed.initialize``.
+        args, model, optimizer, model_parameters, training_data, lr_scheduler, config, config_params: as
+            ``deepspeed.initialize`` (``config_params`` is its older name for ``config``, which Accelerate passes).
             ``optimizer`` may be a ``torch.optim.AdamW``/``Adam`` (converted, hyperparameters and param groups
             kept) or this package's ``AdamW``/``Adam``; without one, the config's ``"optimizer"`` section (type
             Adam or AdamW) or else ``AdamW(model_parameters)`` with its defaults is built. ``config`` may hold a
@@ -119,6 +149,9 @@ def initialize(
 
     if model is None:
         raise ValueError(f"`{WHO}` needs `model`.")
+    if config is not None and config_params is not None:
+        raise ValueError(f"`{WHO}` got both `config` and `config_params` (its older name); pass one of them.")
+    config = config if config is not None else config_params
     user = _load_config(config if config is not None else getattr(args, "deepspeed_config", None))
     optimizer_section = user.pop("optimizer", None)
     if optimizer is not None and optimizer_section is not None:
@@ -166,7 +199,7 @@ def initialize(
         settings.prepare_cpu_loop(local_rank, lambda name: dist.barrier())
     kwargs.setdefault("dist_init_required", False)
     with _internals.alias_bf16_master_partitions():
-        engine, _, loader, scheduler = deepspeed.initialize(
+        engine, _, loader, scheduler = _internals.deepspeed_initialize()(
             args=args,
             model=model,
             optimizer=optimizer,
@@ -189,6 +222,7 @@ def initialize(
 
     engine.step = step_and_count  # per engine: a step ZeRO-3 skipped on inf/NaN is counted and warned about
     engine.pure_bf16 = _Handle(engine, meter, skips)
+    _route_checkpoint_methods(engine)
     return engine, optimizer, loader, scheduler
 
 
@@ -261,4 +295,64 @@ def load_checkpoint(
     return client_state
 
 
-__all__ = ["initialize", "load_checkpoint", "save_checkpoint"]
+def _route_checkpoint_methods(engine: Any) -> None:
+    """Give the engine's own ``save_checkpoint``/``load_checkpoint`` (what the Hugging Face Trainer and Accelerate
+    call) the durable save, the checks and the re-partitioning of :func:`save_checkpoint`/:func:`load_checkpoint`,
+    keeping DeepSpeed's layout: ``save_dir/<tag>`` (default tag ``global_step<N>``) and a ``latest`` file."""
+    import torch.distributed as dist
+
+    def save(
+        save_dir: str | os.PathLike,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        core.save_checkpoint(
+            engine,
+            Path(save_dir) / tag,
+            dict(client_state or {}),
+            world_size=dist.get_world_size(),
+            is_global_zero=dist.get_rank() == 0,
+            barrier=lambda name: dist.barrier(),
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+        if save_latest and dist.get_rank() == 0:
+            core.write_latest_tag(save_dir, tag)
+        dist.barrier()
+        return True
+
+    def load(
+        load_dir: str | os.PathLike,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str, dict[str, Any]]:
+        if load_module_only or custom_load_fn is not None:
+            raise ValueError(
+                f"`engine.load_checkpoint` of an engine made by `{WHO}` loads whole checkpoints; for the weights"
+                " alone, consolidate them (`python -m lightning_pure_bf16.consolidate`) and load the state dict."
+            )
+        tag = core.read_latest_tag(load_dir) if tag is None else str(tag)
+        path = Path(load_dir) / tag
+        client_state, _ = core.load_checkpoint(
+            engine,
+            path,
+            world_size=dist.get_world_size(),
+            rank=dist.get_rank(),
+            load_optimizer_states=load_optimizer_states,
+            strict=load_module_strict,
+            strategy_name=NAME,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+        )
+        engine.pure_bf16.resync_skips()
+        return os.fspath(path), client_state
+
+    engine.save_checkpoint, engine.load_checkpoint = save, load
+
+
+__all__ = ["OPTION_NAMES", "checked_options", "initialize", "load_checkpoint", "save_checkpoint"]

@@ -85,6 +85,16 @@ def test_what_contradicts_pure_bf16_is_refused_before_anything_is_set_up(config,
     assert not dist.is_initialized()  # refused before the process group
 
 
+@pytest.mark.parametrize("stage", [3, 1])
+def test_deepspeeds_own_initialize_with_float32_masters_is_refused_not_trained_wide(tmp_path, stage):
+    # The silent path: the package's optimizer inside DeepSpeed's bf16 mixed precision gets float32 master
+    # partitions (16 bytes/param): refused at the first step, before any weight or state changes.
+    ds_run(tmp_path, plain_deepspeed=True, stage=stage)
+    for r in load_ranks(tmp_path):
+        assert r["error"] is not None and "float32 master weights" in r["error"]
+        assert "16 bytes/param" in r["error"] and "lightning_pure_bf16.deepspeed.initialize" in r["error"]
+
+
 def test_checkpoint_functions_refuse_an_engine_they_did_not_make():
     import lightning_pure_bf16.deepspeed as pure_bf16
 

@@ -260,6 +260,9 @@ class AdamW(Optimizer):
         )
         # torch checks the rest (sets, non-tensors, names on some parameters only, a parameter in two groups).
         super().add_param_group(param_group)
+        if not hasattr(self, "_given_params"):
+            self._given_params: set[int] = set()
+        self._given_params.update(id(p) for p in self.param_groups[-1]["params"])
 
     @property
     def state_dir(self) -> str | None:
@@ -334,6 +337,7 @@ class AdamW(Optimizer):
             for p in group["params"]
             if p.grad is not None
         ]
+        self._refuse_float32_masters(plan)
         if self.check_nonfinite:
             flag = self.nonfinite_grads()
             if self.nonfinite_reduce is not None:
@@ -351,6 +355,23 @@ class AdamW(Optimizer):
         for p, group, backend in plan:
             self._update(p, group, backend)
         return loss
+
+    def _refuse_float32_masters(self, plan: list[tuple[torch.Tensor, dict[str, Any], str]]) -> None:
+        """A float32 tensor put in the param groups in place of the parameters this optimizer was given is a wrapper's
+        float32 master copy (DeepSpeed's ZeRO and bf16 optimizers make one under bf16 mixed precision): the run
+        would keep float32 masters and moments, 16 bytes/param under the name of pure bf16. Refused."""
+        wide = [p for p, _, _ in plan if p.dtype == torch.float32 and id(p) not in self._given_params]
+        if wide:
+            numel = sum(p.numel() for p in wide)
+            raise RuntimeError(
+                f"{type(self).__name__} was handed {len(wide)} float32 tensor(s) ({numel:,} elements) in place of its"
+                " parameters: float32 master weights made by a wrapper (DeepSpeed's ZeRO or bf16 optimizer under"
+                " bf16 mixed precision), which would train with float32 masters and moments, 16 bytes/param instead"
+                " of 8. Let this package set DeepSpeed up: `Trainer(strategy='deepspeed_pure_bf16')` (Lightning),"
+                " `lightning_pure_bf16.deepspeed.initialize` (plain DeepSpeed),"
+                " `lightning_pure_bf16.integrations.transformers.PureBF16Trainer` (Hugging Face Trainer) or"
+                " `lightning_pure_bf16.integrations.accelerate.PureBF16Accelerator` (Accelerate)."
+            )
 
     def init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """Allocate the state of ``p`` (a parameter of ``group``) now instead of at its first step.

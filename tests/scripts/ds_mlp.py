@@ -24,6 +24,32 @@ def worker(rank: int, out: Path, opts: dict) -> None:
     model = MLP()
     config = {"train_micro_batch_size_per_gpu": 8, **opts.get("config", {})}
     kind = opts.get("optimizer", "torch_adamw")
+    if opts.get("plain_deepspeed"):  # DeepSpeed's own initialize with bf16 mixed precision and this package's AdamW
+        import deepspeed
+
+        from lightning_pure_bf16 import AdamW
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=AdamW(param_groups(model), lr=1e-2),
+            config={
+                **config,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": opts["stage"]},
+                "zero_allow_untested_optimizer": True,
+            },
+        )
+        x, y = data(16).tensors
+        loss = (engine(x[rank * 8 : rank * 8 + 8].to(torch.bfloat16)).float() - y[rank * 8 : rank * 8 + 8]).pow(2)
+        engine.backward(loss.mean())
+        try:
+            engine.step()
+            error = None
+        except RuntimeError as err:
+            error = str(err)
+        torch.save({"error": error}, out / f"rank{rank}.pt")
+        return
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2) if kind == "torch_adamw" else None
     engine, opt, _, _ = pure_bf16.initialize(
         model=model, optimizer=optimizer, config=config, seed=7, **opts.get("options", {})

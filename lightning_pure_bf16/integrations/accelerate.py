@@ -1,0 +1,96 @@
+"""Pure bf16 for an Accelerate loop: ``PureBF16Accelerator`` in place of ``accelerate.Accelerator``::
+
+    from lightning_pure_bf16.integrations.accelerate import PureBF16Accelerator
+
+    accelerator = PureBF16Accelerator()                      # DeepSpeed ZeRO-3, bf16, 8 bytes/param
+    model, optimizer, loader, scheduler = accelerator.prepare(model, torch.optim.AdamW(...), loader, scheduler)
+    for batch in loader:
+        accelerator.backward(model(**batch).loss)            # DeepSpeed's backward and step, as in any Accelerate loop
+        scheduler.step()
+
+Accelerate hands the model and optimizer to ``deepspeed.initialize`` inside ``prepare``; this accelerator routes that
+one call to :func:`lightning_pure_bf16.deepspeed.initialize`, so the torch ``AdamW``/``Adam`` becomes the pure-bf16
+optimizer (param groups and hyperparameters kept), the master partition is the parameter partition, the states are
+allocated at setup and the memory report is logged. ``save_state``/``load_state`` write and read DeepSpeed's layout
+through the durable save, with the checks and the re-partitioning to another world size.
+
+Without a ``deepspeed_plugin`` (and without ``accelerate launch --use_deepspeed``) it makes one for ZeRO-3; a plugin
+or an ``accelerate config`` file of the user is used as is, and refused if it contradicts pure bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import accelerate
+import torch
+from accelerate import PartialState
+from accelerate.utils import DeepSpeedPlugin
+
+from lightning_pure_bf16 import _internals
+from lightning_pure_bf16 import deepspeed as pure_bf16_deepspeed
+
+WHO = "PureBF16Accelerator"
+
+
+class PureBF16Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` whose DeepSpeed engines train in pure bf16.
+
+    Args:
+        *args, **kwargs: as ``accelerate.Accelerator``. ``mixed_precision`` must be ``"bf16"`` or left out;
+            ``deepspeed_plugin`` defaults to ``DeepSpeedPlugin(zero_stage=3)``; ``cpu=True`` (or no CUDA device)
+            runs DeepSpeed on the CPU over gloo.
+        rounding, moments, compensation, state_storage, state_dir, seed, backend: as
+            :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
+
+    Raises:
+        ValueError: a bad option, another ``mixed_precision``, or no DeepSpeed, before Accelerate is set up.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        rounding: str = "stochastic",
+        moments: str = "bf16",
+        compensation: str = "bf16",
+        state_storage: str = "memory",
+        state_dir: str | os.PathLike | None = None,
+        seed: int | None = None,
+        backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        options = pure_bf16_deepspeed.checked_options(
+            WHO,
+            rounding=rounding,
+            moments=moments,
+            compensation=compensation,
+            state_storage=state_storage,
+            state_dir=state_dir,
+            seed=seed,
+            backend=backend,
+        )
+        precision = kwargs.get("mixed_precision")
+        if precision not in (None, "bf16"):
+            raise ValueError(
+                f"`{WHO}(mixed_precision={precision!r})`: pure bf16 keeps parameters, gradients and optimizer states"
+                " in bf16. Pass `mixed_precision='bf16'` or leave it out."
+            )
+        kwargs["mixed_precision"] = "bf16"
+        if kwargs.pop("cpu", False) or not torch.cuda.is_available():
+            # The process group on gloo first, as the HF Trainer's `use_cpu` does: Accelerate then sets DeepSpeed up
+            # over it (`Accelerator(cpu=True)` alone would drop DeepSpeed).
+            PartialState(cpu=True)
+        launched_with_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if kwargs.get("deepspeed_plugin") is None and kwargs.get("deepspeed_plugins") is None:
+            if not launched_with_deepspeed:
+                kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=3)
+        super().__init__(*args, **kwargs)
+        if self.state.deepspeed_plugin is None:
+            raise ValueError(f"`{WHO}` trains through DeepSpeed ZeRO-3, but Accelerate was set up without DeepSpeed.")
+        self.pure_bf16_options = options
+        _internals.route_accelerate_deepspeed(self, functools.partial(pure_bf16_deepspeed.initialize, **options))
+
+
+__all__ = ["PureBF16Accelerator"]

@@ -1,0 +1,155 @@
+"""Pure bf16 for the Hugging Face ``Trainer``: ``PureBF16Trainer`` in place of ``transformers.Trainer``::
+
+    from transformers import TrainingArguments
+    from lightning_pure_bf16.integrations.transformers import PureBF16Trainer, deepspeed_config
+
+    args = TrainingArguments("out", bf16=True, deepspeed=deepspeed_config(), learning_rate=3e-4, ...)
+    trainer = PureBF16Trainer(model=model, args=args, train_dataset=train)   # 8 bytes/param instead of 16+
+    trainer.train()                                   # or trainer.train(resume_from_checkpoint=True)
+    trainer.save_model("final")                       # the consolidated bf16 weights: from_pretrained loads them
+
+The Trainer keeps doing what it does with DeepSpeed (the ``TrainingArguments``: learning rate, weight decay on its
+own no-decay groups, warm-up and schedulers, gradient accumulation, ``max_grad_norm``; checkpoints every
+``save_steps``; ``resume_from_checkpoint``; ``save_model``). What changes is the one call where Accelerate hands the
+model and the optimizer to ``deepspeed.initialize``: it goes to :func:`lightning_pure_bf16.deepspeed.initialize`, which
+converts the Trainer's torch ``AdamW`` into the pure-bf16 optimizer with its groups, aliases the master partition,
+allocates the states, logs the memory report, and gives the engine the durable checkpoint methods (with checks and
+re-partitioning to another world size) that the Trainer's save and resume call.
+
+A stock ``transformers.Trainer`` with DeepSpeed discards an optimizer passed in ``optimizers=`` and builds a torch
+AdamW with float32 masters; ``PureBF16Trainer`` uses the one given (converted) and its scheduler. A
+``lightning_pure_bf16.AdamW`` that a stock Trainer hands to DeepSpeed's bf16 mixed precision refuses to step
+float32 masters, naming this class.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from typing import Any
+
+import transformers
+
+from lightning_pure_bf16 import _internals
+from lightning_pure_bf16 import deepspeed as pure_bf16_deepspeed
+from lightning_pure_bf16.adoption import rebind_scheduler
+
+WHO = "PureBF16Trainer"
+# The Trainer's optimizer choices that are AdamW (``TrainingArguments.optim``): converted to the pure-bf16 AdamW.
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+_DEEPSPEED_CONFIG: dict[str, Any] = {
+    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+}
+
+
+def deepspeed_config(**overrides: Any) -> dict[str, Any]:
+    """A DeepSpeed config for ``TrainingArguments(deepspeed=...)``: ZeRO-3, bf16, ``"auto"`` batch sizes, accumulation
+    and clipping (the Trainer fills them from its arguments), and the consolidated 16-bit weights gathered by
+    ``save_model``. ``overrides`` are merged over it key by key (``zero_optimization={"reduce_bucket_size": 1e7}``).
+    Pure bf16's own settings are added by ``PureBF16Trainer`` when it sets DeepSpeed up."""
+    config = copy.deepcopy(_DEEPSPEED_CONFIG)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    return config
+
+
+class PureBF16Trainer(transformers.Trainer):
+    """``transformers.Trainer`` with DeepSpeed ZeRO-3 in pure bf16 (8 bytes/param; 6 with ``moments="int8"``).
+
+    Args:
+        *args, **kwargs: as ``transformers.Trainer``. ``args`` must be ``TrainingArguments`` with ``bf16=True`` and
+            ``deepspeed`` set (:func:`deepspeed_config`, a dict or a JSON file); ``optim`` an AdamW
+            (``"adamw_torch"``, the default, or ``"adamw_torch_fused"``). ``optimizers=(optimizer, scheduler)`` may
+            give a torch ``AdamW``/``Adam`` or a ``lightning_pure_bf16.AdamW`` and a scheduler on it.
+        rounding, moments, compensation, state_storage, state_dir, seed, backend: as
+            :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
+
+    Raises:
+        ValueError: a bad option, ``TrainingArguments`` without DeepSpeed or bf16, or another optimizer choice,
+            before the Trainer is set up.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        rounding: str = "stochastic",
+        moments: str = "bf16",
+        compensation: str = "bf16",
+        state_storage: str = "memory",
+        state_dir: str | os.PathLike | None = None,
+        seed: int | None = None,
+        backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        self.pure_bf16_options = pure_bf16_deepspeed.checked_options(
+            WHO,
+            rounding=rounding,
+            moments=moments,
+            compensation=compensation,
+            state_storage=state_storage,
+            state_dir=state_dir,
+            seed=seed,
+            backend=backend,
+        )
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _check_training_args(training_args)
+        super().__init__(*args, **kwargs)
+        # The Trainer's DeepSpeed set-up drops what `optimizers=` gave: kept here, used by create_optimizer/scheduler.
+        self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled:
+            initialize = functools.partial(pure_bf16_deepspeed.initialize, **self.pure_bf16_options)
+            _internals.route_accelerate_deepspeed(self.accelerator, initialize)
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        """The optimizer given in ``optimizers=``, else the Trainer's torch AdamW with its weight-decay groups; either
+        becomes the pure-bf16 optimizer when DeepSpeed is set up."""
+        if self.optimizer is None and self._given_optimizer is not None:
+            self.optimizer = self._given_optimizer
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The scheduler given in ``optimizers=``, following the pure-bf16 optimizer; else the Trainer's own."""
+        if self.lr_scheduler is None and self._given_scheduler is not None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper around the optimizer
+            if getattr(self._given_scheduler, "optimizer", None) is not inner:
+                rebind_scheduler(self._given_scheduler, inner)
+            self.lr_scheduler = self._given_scheduler
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+
+def _check_training_args(args: Any) -> None:
+    if not isinstance(args, transformers.TrainingArguments):
+        raise ValueError(
+            f"`{WHO}` needs `args=TrainingArguments(..., bf16=True, deepspeed=deepspeed_config())`; got"
+            f" {type(args).__name__}."
+        )
+    if args.deepspeed is None:
+        raise ValueError(
+            f"`{WHO}` trains through DeepSpeed ZeRO-3, but `TrainingArguments.deepspeed` is not set. Pass"
+            " `deepspeed=lightning_pure_bf16.integrations.transformers.deepspeed_config()` (or your own config)."
+        )
+    if not args.bf16:
+        raise ValueError(f"`{WHO}` keeps everything in bf16: pass `TrainingArguments(bf16=True)`.")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in ADAMW_OPTIMS:
+        raise ValueError(
+            f"`{WHO}` trains with the pure-bf16 AdamW, but `TrainingArguments(optim={optim!r})` asks for another"
+            f" optimizer. Use one of {list(ADAMW_OPTIMS)} (the default is 'adamw_torch')."
+        )
+
+
+__all__ = ["ADAMW_OPTIMS", "PureBF16Trainer", "deepspeed_config"]

@@ -1,0 +1,212 @@
+"""The Hugging Face Trainer (``PureBF16Trainer``) or an Accelerate loop (``PureBF16Accelerator``) on a tiny GPT-2, on
+CPU processes spawned here; each rank writes what it saw.
+
+    python hf_gpt2.py OUT '{"front": "trainer", "steps": 6, "save_steps": 3, "resume": null, "world": 2}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0)
+    config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+def dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    # A learnable sequence: each token is the previous plus a per-sequence step, modulo the vocabulary.
+    start, step = torch.randint(0, 64, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
+    ids = (start + step * torch.arange(16)) % 64
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def engine_state(engine, rank: int) -> dict:
+    from lightning_pure_bf16 import _internals
+    from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+
+    zero = engine.optimizer
+    inner = _internals.zero3_inner_optimizer(zero)
+    return {
+        "flat_params": [t.detach().clone() for t in _internals.zero3_param_partitions(zero)],
+        "state": {
+            i: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+            for i, st in enumerate(inner.state.values())
+        },
+        "optimizer_class": f"{type(inner).__module__}.{type(inner).__name__}",
+        "lr": [g["lr"] for g in inner.param_groups],
+        "weight_decay": [g["weight_decay"] for g in inner.param_groups],
+        "moments": inner.moments,
+        "memory_report": engine.pure_bf16.memory_report(),
+        "global_steps": engine.global_steps,
+        "zero_buffers": [
+            (name, t.dtype, t.untyped_storage().nbytes(), is_file_backed(t))
+            for name, t in reachable_tensors(zero, "zero")
+        ],
+    }
+
+
+def run_trainer(rank: int, out: Path, opts: dict) -> dict:
+    from transformers import TrainerCallback, TrainingArguments
+
+    from lightning_pure_bf16.integrations.transformers import PureBF16Trainer, deepspeed_config
+
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    args = TrainingArguments(
+        output_dir=str(out / "run"),
+        use_cpu=True,
+        bf16=True,
+        deepspeed=deepspeed_config(
+            zero_optimization={"reduce_bucket_size": 4096, "stage3_param_persistence_threshold": 0}
+        ),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=opts.get("accumulate", 1),
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        max_steps=opts["steps"],
+        logging_steps=1,
+        save_steps=opts.get("save_steps", 1000),
+        save_strategy="steps",
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = tiny_gpt2()
+    optimizers = (None, None)
+    if opts.get("given_optimizer"):
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+        optimizers = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5))
+    trainer = PureBF16Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset(),
+        callbacks=[Losses()],
+        optimizers=optimizers,
+        seed=7,
+        **opts.get("options", {}),
+    )
+    trainer.train(resume_from_checkpoint=opts.get("resume"))
+    result = {"losses": losses, **engine_state(trainer.model_wrapped, rank)}
+    result["scheduler_lr"] = trainer.lr_scheduler.get_last_lr()
+    if opts.get("export"):
+        trainer.save_model(str(out / "export"))  # loaded by the parent process, outside DeepSpeed
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(trainer.model_wrapped.module.parameters())):
+            result["live"] = {k: v.detach().clone() for k, v in trainer.model_wrapped.module.state_dict().items()}
+    return result
+
+
+def run_stock_trainer(rank: int, out: Path, opts: dict) -> dict:
+    """A stock ``transformers.Trainer`` asked to build this package's AdamW under DeepSpeed's bf16 mixed precision."""
+    from transformers import Trainer, TrainingArguments
+
+    from lightning_pure_bf16 import AdamW
+
+    args = TrainingArguments(
+        output_dir=str(out / "run"),
+        use_cpu=True,
+        bf16=True,
+        deepspeed={
+            "zero_optimization": {"stage": 3},
+            "bf16": {"enabled": "auto"},
+            "train_micro_batch_size_per_gpu": "auto",
+        },
+        per_device_train_batch_size=4,
+        max_steps=2,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=dataset(), optimizer_cls_and_kwargs=(AdamW, {"lr": 1e-3})
+    )
+    try:
+        trainer.train()
+        return {"error": None}
+    except RuntimeError as err:
+        return {"error": str(err)}
+
+
+def run_accelerate(rank: int, out: Path, opts: dict) -> dict:
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from lightning_pure_bf16.integrations.accelerate import PureBF16Accelerator
+
+    accelerator = PureBF16Accelerator(cpu=True, seed=7, **opts.get("options", {}))
+    model = tiny_gpt2()
+    data = dataset()
+    loader = DataLoader(data, batch_size=4, shuffle=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    del DistributedSampler
+    step = 0
+    if opts.get("resume"):
+        accelerator.load_state(opts["resume"])
+        step = int(json.loads((Path(opts["resume"]) / "step.json").read_text())["step"])
+    losses = []
+    batches = list(loader)
+    while step < opts["steps"]:
+        batch = batches[step % len(batches)]
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+        step += 1
+        if opts.get("save_at") == step:
+            accelerator.save_state(opts["save_path"])
+            if accelerator.is_main_process:
+                (Path(opts["save_path"]) / "step.json").write_text(json.dumps({"step": step}))
+            accelerator.wait_for_everyone()
+    return {"losses": losses, **engine_state(model, rank), "scheduler_lr": scheduler.get_last_lr()}
+
+
+def worker(rank: int, out: Path, opts: dict) -> None:
+    world = opts.get("world", 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    run = {"trainer": run_trainer, "accelerate": run_accelerate, "stock_trainer": run_stock_trainer}[
+        opts.get("front", "trainer")
+    ]
+    torch.save(run(rank, out, opts), out / f"rank{rank}.pt")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out, opts = Path(sys.argv[1]), json.loads(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
+    if opts.get("export"):
+        from transformers import GPT2LMHeadModel
+
+        loaded = GPT2LMHeadModel.from_pretrained(str(out / "export"), dtype=torch.bfloat16)
+        torch.save(loaded.state_dict(), out / "exported.pt")

@@ -1,0 +1,173 @@
+"""The Hugging Face Trainer (``PureBF16Trainer``) and Accelerate (``PureBF16Accelerator``) on 2 CPU processes: 8
+bytes/param (6.03 with 8-bit moments) by the report and by a walk of ZeRO-3's buffers, the loss falls, checkpoints
+resume bit for bit and on another world size, the exported weights load with ``from_pretrained``; the silent paths to
+float32 masters speak; bad options are refused with the words of the other front ends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.strategy_runs import load_ranks, run_script  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_state_left_behind():
+    # TrainingArguments and Accelerator set environment variables and process-wide singletons: undone after each test.
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+
+
+def hf_run(out, world=2, **opts):
+    run_script("hf_gpt2.py", out, json.dumps({"world": world, **opts}))
+    return load_ranks(out, world)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    whole = tmp_path_factory.mktemp("hf_whole")
+    ranks = hf_run(whole, steps=6, save_steps=3, export=True)
+    checkpoint = whole / "run" / "checkpoint-3"
+    resumed = hf_run(tmp_path_factory.mktemp("hf_resumed"), steps=6, resume=str(checkpoint))
+    one_rank = hf_run(tmp_path_factory.mktemp("hf_one_rank"), world=1, steps=6, resume=str(checkpoint))
+    return ranks, resumed, one_rank, whole
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    whole = tmp_path_factory.mktemp("acc_whole")
+    opts = {"front": "accelerate", "steps": 6, "options": {"moments": "int8"}}
+    ranks = hf_run(whole, save_at=3, save_path=str(whole / "mid"), **opts)
+    resumed = hf_run(tmp_path_factory.mktemp("acc_resumed"), resume=str(whole / "mid"), **opts)
+    return ranks, resumed
+
+
+def _walked_bytes_per_param(rank: dict) -> float:
+    # Every tensor reachable from DeepSpeed's ZeRO-3 optimizer, by storage, less scalars, the reduce bucket and the
+    # whole copies ZeRO-3 keeps of parameters under `stage3_param_persistence_threshold` (Accelerate's default plugin
+    # keeps every parameter of this tiny model whole; a working set bounded by the threshold, not partition state).
+    skip = (".ipg_buckets.", ".persistent_parameters.")
+    buffers = [b for n, _, b, f in rank["zero_buffers"] if b > 16 and not any(k in n for k in skip) and not f]
+    return sum(buffers) / rank["memory_report"]["params_on_rank"]
+
+
+def test_hf_trainer_trains_at_8_bytes_per_param_with_its_groups(trainer_runs):
+    whole, _, _, _ = trainer_runs
+    for rank in whole:
+        assert rank["optimizer_class"] == "lightning_pure_bf16.optim.adamw.AdamW"
+        assert rank["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+        assert _walked_bytes_per_param(rank) == pytest.approx(8.0, rel=0.01)
+        assert rank["weight_decay"] == [0.1, 0.0]  # the Trainer's decay and no-decay groups
+        assert rank["global_steps"] == 6
+        assert sum(rank["losses"][-2:]) / 2 < rank["losses"][0] - 0.05
+
+
+def test_hf_trainer_resume_from_checkpoint_continues_bit_for_bit(trainer_runs):
+    whole, resumed, _, _ = trainer_runs
+    for a, b in zip(whole, resumed):
+        assert b["losses"] == a["losses"][3:]
+        assert all(torch.equal(x, y) for x, y in zip(a["flat_params"], b["flat_params"]))
+        for sa, sb in zip(a["state"].values(), b["state"].values()):
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+        assert a["scheduler_lr"] == b["scheduler_lr"]
+
+
+def test_hf_trainer_checkpoint_of_2_ranks_resumes_on_1(trainer_runs):
+    _, _, one_rank, _ = trainer_runs
+    (rank,) = one_rank
+    assert rank["global_steps"] == 6 and len(rank["losses"]) == 3
+    assert rank["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+
+
+def test_hf_save_model_exports_the_weights_from_pretrained_loads(trainer_runs):
+    whole, _, _, out = trainer_runs
+    exported = torch.load(out / "exported.pt")
+    live = whole[0]["live"]
+    assert set(live) <= set(exported)
+    for name, value in live.items():
+        assert torch.equal(exported[name], value), name  # the bf16 weights themselves: no rounding on export
+
+
+def test_accelerate_trains_at_6_bytes_per_param_with_8_bit_moments_and_resumes_bit_for_bit(accelerate_runs):
+    whole, resumed = accelerate_runs
+    for a, b in zip(whole, resumed):
+        assert a["moments"] == "int8"
+        assert a["memory_report"]["total"] == pytest.approx(6.03, abs=0.01)
+        assert _walked_bytes_per_param(a) == pytest.approx(a["memory_report"]["total"], rel=0.01)
+        assert b["losses"] == a["losses"][3:]
+        assert all(torch.equal(x, y) for x, y in zip(a["flat_params"], b["flat_params"]))
+        assert a["scheduler_lr"] == b["scheduler_lr"]
+        assert sum(a["losses"][-2:]) / 2 < a["losses"][0]
+
+
+def test_a_stock_trainer_handing_the_optimizer_float32_masters_is_refused(tmp_path):
+    (rank,) = hf_run(tmp_path, world=1, front="stock_trainer")
+    assert rank["error"] is not None and "float32 master weights" in rank["error"]
+    assert "PureBF16Trainer" in rank["error"]
+
+
+def test_the_optimizer_given_to_the_trainer_is_used_not_replaced(tmp_path):
+    (rank,) = hf_run(tmp_path, world=1, steps=2, given_optimizer=True)
+    assert rank["optimizer_class"] == "lightning_pure_bf16.optim.adamw.AdamW"
+    assert rank["weight_decay"] == [0.0] and rank["lr"] == [pytest.approx(1e-3)]  # its group, its scheduler (x0.5)
+
+
+@pytest.mark.parametrize("option", [{"rounding": "up"}, {"moments": "int4"}, {"state_storage": "nvme"}])
+def test_bad_options_are_refused_with_the_words_of_the_other_front_ends(option, tmp_path):
+    import torch.distributed as dist
+    from transformers import TrainingArguments
+
+    import lightning_pure_bf16.deepspeed as pure_bf16
+    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+    from lightning_pure_bf16.integrations.accelerate import PureBF16Accelerator
+    from lightning_pure_bf16.integrations.transformers import PureBF16Trainer, deepspeed_config
+
+    messages = {}
+    with pytest.raises(ValueError) as err:
+        DeepSpeedPureBF16Strategy(**option)
+    messages["DeepSpeedPureBF16Strategy"] = str(err.value)
+    with pytest.raises(ValueError) as err:
+        pure_bf16.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1}, **option)
+    messages[pure_bf16.WHO] = str(err.value)
+    with pytest.raises(ValueError) as err:
+        PureBF16Accelerator(**option)
+    messages["PureBF16Accelerator"] = str(err.value)
+    args = TrainingArguments(str(tmp_path), use_cpu=True, bf16=True, deepspeed=deepspeed_config(), report_to=[])
+    with pytest.raises(ValueError) as err:
+        PureBF16Trainer(model=torch.nn.Linear(2, 2), args=args, **option)
+    messages["PureBF16Trainer"] = str(err.value)
+    words = {message.replace(who, "X") for who, message in messages.items()}
+    assert len(words) == 1, messages
+    assert not dist.is_initialized()  # refused before any process group
+
+
+def test_the_trainer_refuses_arguments_that_would_not_train_pure_bf16(tmp_path):
+    from transformers import TrainingArguments
+
+    from lightning_pure_bf16.integrations.transformers import PureBF16Trainer, deepspeed_config
+
+    cases = [
+        (dict(use_cpu=True, bf16=True), "`TrainingArguments.deepspeed` is not set"),
+        (dict(use_cpu=True, bf16=True, deepspeed=deepspeed_config(), optim="adafactor"), "optim='adafactor'"),
+    ]
+    for kwargs, match in cases:
+        args = TrainingArguments(str(tmp_path), report_to=[], **kwargs)
+        with pytest.raises(ValueError, match=match):
+            PureBF16Trainer(model=torch.nn.Linear(2, 2), args=args)
+    with pytest.raises(ValueError, match="mixed_precision='fp16'"):
+        from lightning_pure_bf16.integrations.accelerate import PureBF16Accelerator
+
+        PureBF16Accelerator(mixed_precision="fp16")
