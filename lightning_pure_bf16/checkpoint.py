@@ -123,6 +123,11 @@ def write_latest_tag(save_dir: str | os.PathLike, tag: str) -> None:
     fsync_tree(directory, recursive=False)
 
 
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is one checkpoint written by this package (not a directory of them)."""
+    return (_recover_path(Path(path)) / MANIFEST).is_file()
+
+
 def read_latest_tag(load_dir: str | os.PathLike) -> str:
     """The tag in ``load_dir/latest``.
 

@@ -25,6 +25,7 @@ from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.checkpoint import (
     TAG,
     CheckpointError,
+    is_checkpoint,
     read_latest_tag,
     save_staged,
     tag_directory,
@@ -460,6 +461,7 @@ __all__ = [
     "device_rank",
     "init_zero3_optimizer_state",
     "initialize_engine",
+    "is_checkpoint",
     "inner_optimizer",
     "load_checkpoint",
     "memory_report",

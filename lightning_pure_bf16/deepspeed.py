@@ -215,9 +215,13 @@ def initialize(
     skips.sync(engine)
     step = engine.step
 
+    # DeepSpeed's ZeRO optimizers' flag for "this step was skipped", read by Accelerate (`step_was_skipped`) and so
+    # by the Hugging Face Trainer, which then leaves its scheduler where it was.
+    optimizer.overflow = False
+
     def step_and_count(*step_args: Any, **step_kwargs: Any) -> Any:
         out = step(*step_args, **step_kwargs)
-        skips.update(engine, NAME)
+        optimizer.overflow = skips.update(engine, NAME) > 0
         return out
 
     engine.step = step_and_count  # per engine: a step ZeRO-3 skipped on inf/NaN is counted and warned about
@@ -271,10 +275,16 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, client_state: dict[str
 
 
 def load_checkpoint(
-    engine: Any, path: str | os.PathLike, *, load_optimizer_states: bool = True, strict: bool = True
+    engine: Any,
+    path: str | os.PathLike,
+    *,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Check, then load a checkpoint saved by :func:`save_checkpoint` (or by the strategies) into ``engine``, from
-    any world size (re-partitioned when it differs); returns the ``client_state`` saved with it.
+    any world size (re-partitioned when it differs); returns the ``client_state`` saved with it. The scheduler given
+    to :func:`initialize` is restored too (``load_lr_scheduler_states``).
 
     Raises:
         lightning_pure_bf16.CheckpointError: naming the file and what is wrong, before anything is loaded.
@@ -290,6 +300,7 @@ def load_checkpoint(
         load_optimizer_states=load_optimizer_states,
         strict=strict,
         strategy_name=NAME,
+        load_lr_scheduler_states=load_lr_scheduler_states,
     )
     handle.resync_skips()
     return client_state
@@ -298,7 +309,8 @@ def load_checkpoint(
 def _route_checkpoint_methods(engine: Any) -> None:
     """Give the engine's own ``save_checkpoint``/``load_checkpoint`` (what the Hugging Face Trainer and Accelerate
     call) the durable save, the checks and the re-partitioning of :func:`save_checkpoint`/:func:`load_checkpoint`,
-    keeping DeepSpeed's layout: ``save_dir/<tag>`` (default tag ``global_step<N>``) and a ``latest`` file."""
+    keeping DeepSpeed's layout: ``save_dir/<tag>`` (default tag ``global_step<N>``) and a ``latest`` file. ``load_dir``
+    may also be one checkpoint (``save_dir/<tag>``)."""
     import torch.distributed as dist
 
     def save(
@@ -337,8 +349,10 @@ def _route_checkpoint_methods(engine: Any) -> None:
                 f"`engine.load_checkpoint` of an engine made by `{WHO}` loads whole checkpoints; for the weights"
                 " alone, consolidate them (`python -m lightning_pure_bf16.consolidate`) and load the state dict."
             )
-        tag = core.read_latest_tag(load_dir) if tag is None else str(tag)
-        path = Path(load_dir) / tag
+        if tag is None and core.is_checkpoint(load_dir):
+            path = Path(load_dir)  # one checkpoint rather than a directory of them
+        else:
+            path = Path(load_dir) / (core.read_latest_tag(load_dir) if tag is None else str(tag))
         client_state, _ = core.load_checkpoint(
             engine,
             path,

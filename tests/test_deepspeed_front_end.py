@@ -41,6 +41,7 @@ def test_an_inf_nan_gradient_on_one_rank_is_skipped_everywhere_and_counted(runs)
     whole, _ = runs
     for r in whole:
         assert r["engine_skipped_steps"] == 1 and r["skipped_steps"] == 1
+        assert r["overflows"] == [False, True, False, False, False, False]  # what Accelerate's step_was_skipped reads
         assert all(torch.isfinite(t.float()).all() for t in r["flat_params"])
 
 

@@ -58,7 +58,7 @@ def worker(rank: int, out: Path, opts: dict) -> None:
     state = {"step": 0}
     if opts.get("resume"):
         state.update(pure_bf16.load_checkpoint(engine, opts["resume"]))
-    losses = []
+    losses, overflows = [], []
     while state["step"] < opts["steps"]:
         i = state["step"] % 4
         xb = x[i * 16 + rank * 8 : i * 16 + rank * 8 + 8].to(torch.bfloat16)
@@ -68,6 +68,7 @@ def worker(rank: int, out: Path, opts: dict) -> None:
         loss = (engine(xb).float() - yb).pow(2).mean()
         engine.backward(loss)
         engine.step()
+        overflows.append(opt.overflow)
         losses.append(float(loss))
         state["step"] += 1
         if opts.get("save_at") == state["step"]:
@@ -76,6 +77,7 @@ def worker(rank: int, out: Path, opts: dict) -> None:
     torch.save(
         {
             "losses": losses,
+            "overflows": overflows,
             "flat_params": [t.detach().clone() for t in engine.optimizer.fp16_partitioned_groups_flat],
             "state": {
                 i: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
