@@ -10,6 +10,10 @@
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions psutil einops \
 #       msgpack ninja py-cpuinfo
+# and for the Hugging Face Trainer and Accelerate tests (skipped without them):
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .whl transformers==5.24.0 accelerate==1.15.0 tokenizers huggingface-hub regex safetensors hf-xet httpx2 \
+#       httpcore2 h11 anyio typer shellingham annotated-doc truststore
 # then copy .whl/ along with the tree (it is git-ignored: name it in the runner's carry list).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -93,3 +93,32 @@ def test_strategy_with_mmap_states_on_one_gpu(tmp_path):
     assert r["memory_report"]["state_files"] == pytest.approx(6.0)
     assert torch.isfinite(torch.tensor(r["losses"])).all()
     assert list(states.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_plain_deepspeed_front_end_on_one_gpu(tmp_path):
+    import json
+
+    from tests.strategy_runs import run_script
+
+    run_script("ds_mlp.py", tmp_path, json.dumps({"world": 1, "steps": 4}), DS_ACCELERATOR="cuda")
+    (r,) = load_ranks(tmp_path, world_size=1)
+    assert r["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+    assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in r["flat_params"])
+    assert torch.isfinite(torch.tensor(r["losses"])).all() and r["losses"][-1] < r["losses"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("front", ["trainer", "accelerate"])
+def test_hf_trainer_and_accelerate_on_one_gpu(tmp_path, front):
+    pytest.importorskip("transformers")
+    import json
+
+    from tests.strategy_runs import run_script
+
+    opts = {"front": front, "world": 1, "steps": 4, "cpu": False}
+    run_script("hf_gpt2.py", tmp_path, json.dumps(opts), DS_ACCELERATOR="cuda")
+    (r,) = load_ranks(tmp_path, world_size=1)
+    assert r["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+    assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in r["flat_params"])
+    assert torch.isfinite(torch.tensor(r["losses"])).all()

@@ -61,8 +61,8 @@ def worker(rank: int, out: Path, opts: dict) -> None:
     losses, overflows = [], []
     while state["step"] < opts["steps"]:
         i = state["step"] % 4
-        xb = x[i * 16 + rank * 8 : i * 16 + rank * 8 + 8].to(torch.bfloat16)
-        yb = y[i * 16 + rank * 8 : i * 16 + rank * 8 + 8]
+        xb = x[i * 16 + rank * 8 : i * 16 + rank * 8 + 8].to(engine.device, torch.bfloat16)
+        yb = y[i * 16 + rank * 8 : i * 16 + rank * 8 + 8].to(engine.device)
         if opts.get("nan_step") == state["step"] and rank == 0:
             xb = xb * float("nan")
         loss = (engine(xb).float() - yb).pow(2).mean()

@@ -71,7 +71,7 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
 
     args = TrainingArguments(
         output_dir=str(out / "run"),
-        use_cpu=True,
+        use_cpu=opts.get("cpu", True),
         bf16=True,
         deepspeed=deepspeed_config(
             zero_optimization={"reduce_bucket_size": 4096, "stage3_param_persistence_threshold": 0}
@@ -126,7 +126,7 @@ def run_stock_trainer(rank: int, out: Path, opts: dict) -> dict:
 
     args = TrainingArguments(
         output_dir=str(out / "run"),
-        use_cpu=True,
+        use_cpu=opts.get("cpu", True),
         bf16=True,
         deepspeed={
             "zero_optimization": {"stage": 3},
@@ -155,7 +155,7 @@ def run_accelerate(rank: int, out: Path, opts: dict) -> dict:
 
     from lightning_pure_bf16.integrations.accelerate import PureBF16Accelerator
 
-    accelerator = PureBF16Accelerator(cpu=True, seed=7, **opts.get("options", {}))
+    accelerator = PureBF16Accelerator(cpu=opts.get("cpu", True), seed=7, **opts.get("options", {}))
     model = tiny_gpt2()
     data = dataset()
     loader = DataLoader(data, batch_size=4, shuffle=False)
@@ -171,7 +171,7 @@ def run_accelerate(rank: int, out: Path, opts: dict) -> dict:
     batches = list(loader)
     while step < opts["steps"]:
         batch = batches[step % len(batches)]
-        loss = model(**batch).loss
+        loss = model(**{k: v.to(model.device) for k, v in batch.items()}).loss
         accelerator.backward(loss)
         optimizer.step()
         scheduler.step()
