@@ -137,3 +137,19 @@ def test_unsupported_torch_options_are_found_only_when_on():
         check_seed("AdamW", 1.5)
     with pytest.raises(ValueError, match="needs `state_dir`"):
         OptimizerOptions(state_storage="mmap").check("AdamW")
+
+
+def test_an_8_bit_kahan_buffer_without_kahan_rounding_is_refused_everywhere():
+    from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy
+
+    messages = []
+    for make, who in (
+        (lambda: AdamW(_params(), compensation="int8"), "AdamW"),
+        (lambda: DeepSpeedPureBF16Strategy(compensation="int8"), "DeepSpeedPureBF16Strategy"),
+        (lambda: DeepSpeedPureBF16FabricStrategy(compensation="int8"), "DeepSpeedPureBF16FabricStrategy"),
+    ):
+        with pytest.raises(ValueError, match="only `rounding='kahan'` keeps") as err:
+            make()
+        messages.append(str(err.value).replace(who, "X"))
+    assert len(set(messages)) == 1
+    AdamW(_params(), rounding="kahan", compensation="int8")  # with Kahan rounding it is the 8-bit buffer

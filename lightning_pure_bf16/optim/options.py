@@ -81,6 +81,12 @@ class OptimizerOptions:
         check_choice(who, "state_storage", self.state_storage, STATE_STORAGES)
         check_choice(who, "moments", self.moments, MOMENT_FORMATS)
         check_choice(who, "compensation", self.compensation, COMPENSATION_FORMATS)
+        if self.compensation != "bf16" and self.rounding != "kahan":
+            raise ValueError(
+                f"`{who}(compensation={self.compensation!r})` is the format of the Kahan buffer, which only"
+                f" `rounding='kahan'` keeps (got rounding={self.rounding!r}): pass `rounding='kahan'`, or leave"
+                " `compensation` out."
+            )
         if self.state_storage == "memory" and self.state_dir is not None:
             raise ValueError(f"`{who}(state_dir=...)` is only used with `state_storage='mmap'`; pass both or neither.")
         if self.state_storage == "mmap" and self.state_dir is None:
