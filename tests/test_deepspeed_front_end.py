@@ -37,6 +37,33 @@ def test_a_torch_adamw_becomes_pure_bf16_at_8_bytes_per_param(runs):
         assert r["peak_memory"]["peak_gib"] >= r["peak_memory"]["at_setup_gib"] > 0
 
 
+def test_an_independent_walk_of_zero3s_buffers_agrees(runs):
+    whole, _ = runs
+    for r in whole:
+        skip = (".ipg_buckets.", ".persistent_parameters.")  # the reduce bucket; whole copies of small parameters
+        walked = [b for n, _, b, f in r["zero_buffers"] if b > 16 and not any(k in n for k in skip) and not f]
+        assert sum(walked) / r["memory_report"]["params_on_rank"] == pytest.approx(8.0, rel=0.01)
+
+
+def test_a_checkpoint_of_2_ranks_resumes_on_1_and_its_weights_load_into_a_fresh_model(runs, tmp_path):
+    import sys
+    from pathlib import Path
+
+    from lightning_pure_bf16 import consolidate_checkpoint
+
+    ckpt = Path(runs[0][0]["save_path"])
+    ds_run(tmp_path, world=1, steps=6, resume=str(ckpt))
+    (one,) = load_ranks(tmp_path, world_size=1)
+    assert len(one["losses"]) == 3 and all(torch.isfinite(torch.tensor(one["losses"])))
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from _models import MLP
+
+    weights = consolidate_checkpoint(ckpt)
+    fresh = MLP().to(torch.bfloat16)
+    fresh.load_state_dict(weights)  # strict: every name and shape
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in weights.items())
+
+
 def test_an_inf_nan_gradient_on_one_rank_is_skipped_everywhere_and_counted(runs):
     whole, _ = runs
     for r in whole:

@@ -15,6 +15,8 @@ import torch
 import torch.multiprocessing as mp
 from _models import MLP, data, param_groups
 
+from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+
 
 def worker(rank: int, out: Path, opts: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(opts.get("world", 2)))
@@ -77,6 +79,7 @@ def worker(rank: int, out: Path, opts: dict) -> None:
     torch.save(
         {
             "losses": losses,
+            "save_path": opts.get("save_path"),
             "overflows": overflows,
             "flat_params": [t.detach().clone() for t in engine.optimizer.fp16_partitioned_groups_flat],
             "state": {
@@ -89,6 +92,10 @@ def worker(rank: int, out: Path, opts: dict) -> None:
             "weight_decay": [g["weight_decay"] for g in inner.param_groups],
             "rounding": [g["rounding"] for g in inner.param_groups],
             "memory_report": engine.pure_bf16.memory_report(),
+            "zero_buffers": [
+                (name, t.dtype, t.untyped_storage().nbytes(), is_file_backed(t))
+                for name, t in reachable_tensors(engine.optimizer, "zero")
+            ],
             "peak_memory": engine.pure_bf16.peak_memory(),
             "skipped_steps": inner.skipped_steps,
             "engine_skipped_steps": engine.skipped_steps,
