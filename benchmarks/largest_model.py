@@ -137,6 +137,16 @@ def planner_largest(budget_gib: float, world_size: int, margin_gib: float, devic
     return out
 
 
+def _planner_verdict(predicted: float, fitted: float, failed: float | None) -> str:
+    """The planner's largest size against the measured bracket [largest that fitted, first that did not]."""
+    text = f"{predicted / 1e6:,.0f}M"
+    if predicted < fitted:
+        return f"{text} (under by {100 * (fitted - predicted) / fitted:.0f}%+)"
+    if failed is None or predicted < failed:
+        return f"{text} (in the bracket)"
+    return f"{text} (over by {100 * (predicted - failed) / failed:.0f}%+)"
+
+
 # This benchmark's arms and the planner's configurations they correspond to.
 PLANNER_CONFIG = {
     "ds_bf16_mixed": "deepspeed_bf16_mixed",
@@ -161,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, the GPUs on CUDA")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per size tried")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite the table and plot from DIR's CSV (no training)"
+    )
     args = parser.parse_args(argv)
     if args.budget_gib is None:
         args.budget_gib = 2.5 if args.quick else (40.0 if args.device == "cuda" else 12.0)
@@ -182,6 +195,25 @@ def main(argv: list[str] | None = None) -> int:
 
         args.world_size = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
     grid = QUICK_GRID if args.quick else GRID
+
+    if args.report_only:
+        import csv
+
+        stem = "largest_model_quick" if args.quick else "largest_model"
+        with open(args.out / f"{stem}.csv") as f:
+            tries = [
+                {
+                    **row,
+                    "width": int(row["width"]),
+                    "params": int(row["params"]),
+                    "fits": row["fits"] == "True",
+                    "peak_gib": float(row["peak_gib"]),
+                    "before_model_gib": float(row["before_model_gib"]),
+                }
+                for row in csv.DictReader(f)
+            ]
+        write_report(args, [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"], tries)
+        return 0
 
     # Each arm's search starts at the width the planner predicts (FSDP2 arms: as this strategy's 8 bytes/param), with
     # a margin of what a rank holds before it builds the model, measured on the first arm's first size.
@@ -207,6 +239,13 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
 
     def best(arm: str) -> dict | None:
         return max((t for t in tries if t["arm"] == arm and t["fits"]), key=lambda t: t["params"], default=None)
+
+    def first_failing(arm: str) -> float | None:
+        b = best(arm)
+        above = [
+            t["params"] for t in tries if t["arm"] == arm and not t["fits"] and (b is None or t["params"] > b["params"])
+        ]
+        return min(above, default=None)
 
     ref = best(REFERENCE)
     where = "summed over the ranks" if args.device == "cpu" else "per GPU"
@@ -238,8 +277,7 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         ratio = f"{b['params'] / ref['params']:.2f}x" if ref else ""
         plan_text = ""
         if arm in PLANNER_CONFIG:
-            p = planned[PLANNER_CONFIG[arm]]
-            plan_text = f"{p / 1e6:,.0f}M ({100 * (p - b['params']) / b['params']:+.0f}%)"
+            plan_text = _planner_verdict(planned[PLANNER_CONFIG[arm]], b["params"], first_failing(arm))
         lines.append(
             f"| {ARMS[arm]} | {b['width']} | {b['params'] / 1e6:,.1f}M | {b['peak_gib']:.2f} | {ratio} | {plan_text} |"
         )
@@ -249,7 +287,11 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         " the CSV has the first size that did not fit for each arm. The planner's column is"
         f" `plan(params, gpus={args.world_size}, gpu_memory_gib={args.budget_gib / args.world_size:g},"
         f" activation_margin_gib={margin:.2f}, reduce_bucket=<the device's>)` (the margin is the memory a rank holds"
-        " before it builds the model, measured here) and its difference from the measured largest size.",
+        " before it builds the model, measured here) against the measured bracket: the true largest size lies"
+        " between the largest that fitted and the first that did not, so a prediction inside it is as right as the"
+        " grid can tell, and one outside is off by at least the distance to the bracket's nearer end. On the CPU the"
+        " state files of the mmap arm are pages of the same memory (the budget counts them), where on a GPU they"
+        " are off the device: the planner's mmap row describes the GPU.",
         "",
         "![peak memory against parameters](" + ("largest_model_quick" if args.quick else "largest_model") + ".png)",
     ]
