@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.options import OptimizerOptions
@@ -147,6 +148,7 @@ def initialize(
     import deepspeed
     import torch.distributed as dist
 
+    silence_known_warnings()
     if model is None:
         raise ValueError(f"`{WHO}` needs `model`.")
     if config is not None and config_params is not None:
