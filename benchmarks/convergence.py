@@ -402,6 +402,7 @@ def width_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, 
     stem = "convergence_width" + ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "")
     command = "python benchmarks/convergence.py --study width" + (" --gpu" if args.gpu else "")
     command += " --quick" if args.quick else ""
+    command += f" --seed {args.seed}" if args.seed else ""
     curves, seconds = {}, {}
     for arm in WIDTH_ARMS:
         start = time.perf_counter()
