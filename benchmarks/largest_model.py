@@ -118,7 +118,9 @@ def search(arm: str, grid: list[int], start: int, args: argparse.Namespace, trie
     return lo
 
 
-def planner_largest(budget_gib: float, world_size: int, margin_gib: float, device: str) -> dict[str, float]:
+def planner_largest(
+    budget_gib: float, world_size: int, margin_gib: float, device: str, layers: int
+) -> dict[str, float]:
     """The largest model ``python -m lightning_pure_bf16.plan`` says fits each of its configurations, for a budget of
     ``budget_gib`` over ``world_size`` devices, a margin of ``margin_gib`` per device and the device's buckets
     (bisection on params)."""
@@ -127,11 +129,12 @@ def planner_largest(budget_gib: float, world_size: int, margin_gib: float, devic
 
     bucket = CPU_BUCKET if device == "cpu" else GPU_BUCKET
     out = {}
-    for config in plan(1e6, world_size, budget_gib / world_size, activation_margin_gib=margin_gib).fits:
+    per_gpu = budget_gib / world_size
+    for config in plan(1e6, world_size, per_gpu, activation_margin_gib=margin_gib).fits:
         lo, hi = 1e5, 1e13
         while hi / lo > 1.001:
             mid = math.sqrt(lo * hi)
-            p = plan(mid, world_size, budget_gib / world_size, activation_margin_gib=margin_gib, reduce_bucket=bucket)
+            p = plan(mid, world_size, per_gpu, activation_margin_gib=margin_gib, reduce_bucket=bucket, layers=layers)
             lo, hi = (mid, hi) if p.fits[config] else (lo, mid)
         out[config] = lo
     return out
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             probe = 0.0
         margin = max([t["before_model_gib"] for t in tries] + [probe])
-        predicted = planner_largest(args.budget_gib, args.world_size, margin, args.device)
+        predicted = planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer)
         predicted_params = predicted[PLANNER_CONFIG.get(arm, "pure_bf16_stochastic")]
         start = max([i for i, w in enumerate(grid) if _spec(w, args).params() <= predicted_params], default=0)
         largest[arm] = search(arm, grid, start, args, tries)
@@ -257,7 +260,7 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
     command = shlex.join(["python", "benchmarks/largest_model.py", *(argv if argv is not None else sys.argv[1:])])
     # What a rank holds before it builds the model (interpreter, libraries, process group): the planner's margin.
     margin = max((t["before_model_gib"] for t in tries), default=0.0)
-    planned = planner_largest(args.budget_gib, args.world_size, margin, args.device)
+    planned = planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer)
     lines = [
         f"# The largest GPT each option trains in {args.budget_gib:g} GiB ({args.device}, {args.world_size} ranks)",
         "",
@@ -286,12 +289,12 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         "The width grid is coarse at the top (steps of 256-1024), so a ratio can be off by one grid step either way;"
         " the CSV has the first size that did not fit for each arm. The planner's column is"
         f" `plan(params, gpus={args.world_size}, gpu_memory_gib={args.budget_gib / args.world_size:g},"
-        f" activation_margin_gib={margin:.2f}, reduce_bucket=<the device's>)` (the margin is the memory a rank holds"
-        " before it builds the model, measured here) against the measured bracket: the true largest size lies"
-        " between the largest that fitted and the first that did not, so a prediction inside it is as right as the"
-        " grid can tell, and one outside is off by at least the distance to the bracket's nearer end. On the CPU the"
-        " state files of the mmap arm are pages of the same memory (the budget counts them), where on a GPU they"
-        " are off the device: the planner's mmap row describes the GPU.",
+        f" activation_margin_gib={margin:.2f}, reduce_bucket=<the device's>, layers={args.n_layer})` (the margin"
+        " is the memory a rank holds before it builds the model, measured here) against the measured bracket: the"
+        " true largest size lies between the largest that fitted and the first that did not, so a prediction inside"
+        " it is as right as the grid can tell, and one outside is off by at least the distance to the bracket's"
+        " nearer end. On the CPU the state files of the mmap arm are pages of the same memory (the budget counts"
+        " them), where on a GPU they are off the device: the planner's mmap row describes the GPU.",
         "",
         "![peak memory against parameters](" + ("largest_model_quick" if args.quick else "largest_model") + ".png)",
     ]

@@ -4,7 +4,8 @@ Per-GPU memory for ZeRO-3 training under six configurations: this strategy with 
 compensation, each with optimizer states in device memory or in memory-mapped files (``state_storage="mmap"``),
 DeepSpeed's bf16-master flags, and DeepSpeed's bf16 mixed precision. Model state is the measured bytes per parameter
 (``lightning_pure_bf16.memory.MODEL_STATE_BYTES``; ``STATE_FILE_BYTES`` for the files), sharded over the GPUs; on
-top come ZeRO-3's gathered-parameter working set and communication buckets (DeepSpeed's defaults), and a stated
+top come the optimizer step's transients, ZeRO-3's gathered-parameter working set and communication buckets
+(DeepSpeed's defaults), one layer's working set in the backward (``--layers``), and a stated
 margin for activations, the CUDA context and allocator fragmentation, which this planner does not estimate. For the
 "mmap" configurations it also gives the disk space per node and, with ``--disk-gbps``, the time each optimizer step
 spends streaming the states (read once, written once), a lower bound that the disk sets.
@@ -27,6 +28,28 @@ MAX_LIVE_PARAMETERS = 1_000_000_000
 PREFETCH_BUCKET = 50_000_000
 REDUCE_BUCKET = 200_000_000
 DEFAULT_MARGIN_FRACTION = 0.15
+# ZeRO-3's sub-group (DeepSpeed's ``sub_group_size``): the step's transients below are per element of one sub-group.
+SUB_GROUP_SIZE = 1_000_000_000
+# What the optimizer step allocates on top of model state, in bytes per element of the sub-group it updates. This
+# package: nothing that grows with the model (its update is chunked, its gradient norm read in pieces of at most
+# 32 MiB). DeepSpeed's own bf16 flags: 1.88 (its step flattens the sub-group's bf16 gradient into a copy;
+# `benchmarks/peak_memory.py --upstream-step`). DeepSpeed bf16 mixed: 6 (that bf16 copy, then its float32 conversion,
+# in `_prepare_fp32_grad_for_sub_group`).
+STEP_TRANSIENT_BYTES = {
+    "pure_bf16_stochastic": 0.0,
+    "pure_bf16_kahan": 0.0,
+    "pure_bf16_int8": 0.0,
+    "pure_bf16_int8_kahan": 0.0,
+    "pure_bf16_mmap": 0.0,
+    "pure_bf16_kahan_mmap": 0.0,
+    "deepspeed_bf16_master": 1.88,
+    "deepspeed_bf16_mixed": 6.0,
+}
+# The backward's working set beyond ZeRO-3's gathered copy, in bytes per parameter of one layer, on each GPU: a layer's
+# bf16 gradients before their reduce-scatter (`benchmarks/largest_model.py`: about 1 B/param of a 4-layer GPT on each
+# rank, 2 B per parameter of its layer).
+LAYER_WORKING_BYTES = 2.0
+DEFAULT_LAYERS = 32
 # The streaming slots of state_storage="mmap" on the device, at most: 2 slots x 3 buffers x a chunk of bf16 elements.
 MMAP_STAGING_BYTES = 2 * 3 * DEFAULT_STATE_CHUNK * 2
 LABELS = {
@@ -57,6 +80,7 @@ class Plan:
     state_files_per_node_gib: dict[str, float]
     disk_gbps: float | None
     disk_seconds_per_step: dict[str, float | None]
+    layers: int = DEFAULT_LAYERS
 
 
 def plan(
@@ -69,6 +93,7 @@ def plan(
     gpus_per_node: int | None = None,
     disk_gbps: float | None = None,
     reduce_bucket: int = REDUCE_BUCKET,
+    layers: int = DEFAULT_LAYERS,
 ) -> Plan:
     """Per-GPU memory of each configuration and whether it fits.
 
@@ -85,6 +110,7 @@ def plan(
             each step streams the states (default: ``None``, not estimated).
         reduce_bucket: ZeRO-3's gradient reduce bucket in elements (default: DeepSpeed's, 2e8; the strategies use
             5e6 on the CPU).
+        layers: the model's layers, of equal size: the backward holds one layer's working set (default: 32).
 
     Raises:
         ValueError: for non-positive sizes or a fraction outside [0, 1).
@@ -103,18 +129,24 @@ def plan(
     per_node = min(gpus, 8) if gpus_per_node is None else gpus_per_node
     if not 1 <= per_node <= gpus:
         raise ValueError(f"--gpus-per-node must be between 1 and --gpus ({gpus}), got {per_node}.")
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}.")
     if disk_gbps is not None and not (disk_gbps > 0 and math.isfinite(disk_gbps)):
         raise ValueError(f"--disk-gbps must be a positive number of GB/s, got {disk_gbps!r}.")
     trainable, frozen = params * (1 - frozen_fraction), params * frozen_fraction
-    # Gathered bf16 parameters (at most DeepSpeed's live-parameter limit) plus the prefetch and reduce buckets.
+    # Gathered bf16 parameters (at most DeepSpeed's live-parameter limit) plus the prefetch and reduce buckets, and
+    # the backward's working set of one layer.
     buffers = 2 * (min(params, MAX_LIVE_PARAMETERS) + PREFETCH_BUCKET + reduce_bucket) / GIB
+    buffers += LAYER_WORKING_BYTES * params / layers / GIB
+    sub_group = min(trainable / gpus, SUB_GROUP_SIZE)
     bpp, state, total, fits, files, seconds = {}, {}, {}, {}, {}, {}
     for config in MODEL_STATE_BYTES:
         state_bytes = (trainable * bytes_per_param(config) + frozen * FROZEN_BYTES) / gpus
         bpp[config] = float(bytes_per_param(config))
         state[config] = state_bytes / GIB
         staging = MMAP_STAGING_BYTES / GIB if config in STATE_FILE_BYTES else 0.0
-        total[config] = state[config] + buffers + staging + margin
+        step = STEP_TRANSIENT_BYTES[config] * sub_group / GIB
+        total[config] = state[config] + step + buffers + staging + margin
         fits[config] = total[config] <= gpu_memory_gib
         file_bytes = trainable * STATE_FILE_BYTES.get(config, 0) / gpus * per_node
         files[config] = file_bytes / GIB
@@ -135,6 +167,7 @@ def plan(
         files,
         disk_gbps,
         seconds,
+        layers,
     )
 
 
@@ -152,9 +185,10 @@ def _format(p: Plan) -> str:
         )
     lines += [
         "",
-        f"total = model state + {p.working_buffers_gib:.1f} GiB ZeRO-3 gathered parameters and buckets (DeepSpeed"
-        f" defaults) + {p.activation_margin_gib:.1f} GiB margin for activations, CUDA context and fragmentation"
-        " (not estimated; set --activation-margin-gib); mmap rows add"
+        "total = model state + the optimizer step's transients (per configuration) +"
+        f" {p.working_buffers_gib:.1f} GiB ZeRO-3 gathered parameters, buckets (DeepSpeed defaults) and one layer's"
+        f" backward working set (of {p.layers}; set --layers) + {p.activation_margin_gib:.1f} GiB margin for"
+        " activations, CUDA context and fragmentation (not estimated; set --activation-margin-gib); mmap rows add"
         f" {MMAP_STAGING_BYTES / 1024**2:.0f} MiB of streaming slots.",
         "",
         f"State files (mmap rows), on the disk of each node of {p.gpus_per_node} GPU(s):",
@@ -179,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation-margin-gib", type=float, default=None, help="default: 15%% of GPU memory")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs sharing one disk (default: up to 8)")
     parser.add_argument("--disk-gbps", type=float, default=None, help="disk bandwidth per node for the mmap rows")
+    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="layers of the model (default 32)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
@@ -190,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_margin_gib=args.activation_margin_gib,
             gpus_per_node=args.gpus_per_node,
             disk_gbps=args.disk_gbps,
+            layers=args.layers,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
