@@ -111,9 +111,8 @@ def test_fabric_example_trains_and_resumes_mid_epoch(tmp_path):
 
 
 def _torchrun(script: str, *args: str, nproc: int = 2) -> str:
-    from tests.strategy_runs import free_port
-
-    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    # --standalone: torchrun binds a free port itself (no port chosen here that another process could take first).
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     proc = _run([*launcher, script, *args])
     return proc.stdout + proc.stderr
 
