@@ -91,6 +91,19 @@ def process_group_destroyed_at_exit() -> Iterator[None]:
     existed = torch.distributed.is_available() and torch.distributed.is_initialized()
     yield
     if not existed and torch.distributed.is_available() and torch.distributed.is_initialized():
+        destroy_process_group_at_exit()
+
+
+_DESTROY_REGISTERED: list[bool] = []
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit if it is still alive then (ranks leaving together), once
+    per process. For the integrations, whose group another library created (the HF ``TrainingArguments``,
+    Accelerate's state) and nobody destroys: the abort :func:`process_group_destroyed_at_exit` describes happened to a
+    finished HF Trainer run. A group destroyed before exit is not touched."""
+    if not _DESTROY_REGISTERED:
+        _DESTROY_REGISTERED.append(True)
         atexit.register(_destroy_process_group)
 
 
@@ -458,6 +471,7 @@ __all__ = [
     "on_cpu",
     "process_group_destroyed_at_exit",
     "translate_precision",
+    "destroy_process_group_at_exit",
     "device_rank",
     "init_zero3_optimizer_state",
     "initialize_engine",

@@ -31,7 +31,7 @@ from typing import Any
 
 import transformers
 
-from lightning_pure_bf16 import _internals
+from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16 import deepspeed as pure_bf16_deepspeed
 from lightning_pure_bf16.adoption import rebind_scheduler
 
@@ -104,6 +104,9 @@ class PureBF16Trainer(transformers.Trainer):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _check_training_args(training_args)
         super().__init__(*args, **kwargs)
+        # The process group TrainingArguments created is destroyed at exit if still alive (else a finished run could
+        # abort there, exit 134).
+        core.destroy_process_group_at_exit()
         # The Trainer's DeepSpeed set-up drops what `optimizers=` gave: kept here, used by create_optimizer/scheduler.
         self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
 

@@ -192,12 +192,12 @@ def worker(rank: int, out: Path, opts: dict) -> None:
     run = {"trainer": run_trainer, "accelerate": run_accelerate, "stock_trainer": run_stock_trainer}[
         opts.get("front", "trainer")
     ]
-    torch.save(run(rank, out, opts), out / f"rank{rank}.pt")
-    import torch.distributed as dist
+    # Registered first, so it runs after every exit handler of the run: was the process group left alive at exit?
+    import atexit
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    atexit.register(lambda: (out / f"exit_rank{rank}.txt").write_text(str(torch.distributed.is_initialized())))
+    torch.save(run(rank, out, opts), out / f"rank{rank}.pt")
+    # No teardown here: the integrations destroy the group Accelerate or TrainingArguments made, at exit.
 
 
 if __name__ == "__main__":
