@@ -6,6 +6,8 @@ after its results were written.
     python benchmarks/exit_stress.py                 # 40 fits beside 2 busy processes
     python benchmarks/exit_stress.py --quick         # 6 fits
     python benchmarks/exit_stress.py --runs 60 --load 4
+    python benchmarks/exit_stress.py --script hf --runs 10     # examples/hf_trainer.py (PureBF16Trainer) instead
+    python benchmarks/exit_stress.py --script hf --root TREE   # the package and examples of another checkout
 
 Writes benchmarks/results/exit_stress.csv (one row per fit) and exit_stress.md (the counts), as it goes.
 """
@@ -38,6 +40,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_hf_run(root: Path) -> tuple[int, bool, float, str]:
+    """``examples/hf_trainer.py`` of ``root`` (its package first on the path) for 2 steps on 2 CPU processes."""
+    with tempfile.TemporaryDirectory() as out:
+        args = ["--max-steps", "2", "--n-layer", "1", "--n-embd", "32", "--batch-size", "2", "--ckpt-dir", out]
+        env = {**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
+        start = time.perf_counter()
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        proc = subprocess.run(
+            [*launcher, "hf_trainer.py", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            cwd=root / "examples",
+        )
+        seconds = time.perf_counter() - start
+    terminate = "terminate called" in proc.stderr + proc.stdout
+    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    status = proc.returncode if "validation loss:" in proc.stdout else -999
+    return status, terminate, seconds, last
+
+
 def one_fit(strategy: str) -> tuple[int, bool, float, str]:
     """(exit status, whether "terminate called" was printed, seconds, the last stderr line)."""
     with tempfile.TemporaryDirectory() as out:
@@ -64,6 +88,8 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=2, help="busy processes beside the fits (default: 2)")
     parser.add_argument("--strategy", default="deepspeed_pure_bf16")
     parser.add_argument("--quick", action="store_true", help="6 fits")
+    parser.add_argument("--script", choices=("cli", "hf"), default="cli", help="hf: examples/hf_trainer.py")
+    parser.add_argument("--root", type=Path, default=ROOT, help="--script hf: the checkout to run (default: this)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--label", default="", help="a name for this run in the markdown (say, the commit)")
     args = parser.parse_args()
@@ -78,7 +104,10 @@ def main() -> None:
             writer = csv.writer(f)
             writer.writerow(["run", "exit_status", "terminate_called", "seconds", "last_stderr_line"])
             for i in range(runs):
-                status, terminate, seconds, last = one_fit(args.strategy)
+                if args.script == "hf":
+                    status, terminate, seconds, last = one_hf_run(args.root.resolve())
+                else:
+                    status, terminate, seconds, last = one_fit(args.strategy)
                 rows.append((status, terminate))
                 writer.writerow([i, status, terminate, f"{seconds:.1f}", last[-200:]])
                 f.flush()
@@ -90,7 +119,9 @@ def main() -> None:
     failed = sum(1 for status, _ in rows if status != 0)
     command = "python benchmarks/exit_stress.py " + " ".join(sys.argv[1:])
     lines = [
-        "# Exit stress: short 2-process fits beside busy processes",
+        "# Exit stress: short 2-process "
+        + ("runs of examples/hf_trainer.py" if args.script == "hf" else "fits")
+        + " beside busy processes",
         "",
         f"`{command}` {args.label}",
         "",
