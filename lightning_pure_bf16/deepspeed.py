@@ -259,7 +259,13 @@ def _handle(engine: Any, what: str) -> _Handle:
     return handle
 
 
-def save_checkpoint(engine: Any, path: str | os.PathLike, client_state: dict[str, Any] | None = None) -> None:
+def save_checkpoint(
+    engine: Any,
+    path: str | os.PathLike,
+    client_state: dict[str, Any] | None = None,
+    *,
+    exclude_frozen_parameters: bool = False,
+) -> None:
     """Save on every rank (same ``path``): DeepSpeed's sharded checkpoint, written to a staging directory, fsynced and
     moved into place, so that a crash leaves the previous checkpoint or the new one, never half of one."""
     import torch.distributed as dist
@@ -272,7 +278,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike, client_state: dict[str
         world_size=dist.get_world_size(),
         is_global_zero=dist.get_rank() == 0,
         barrier=lambda name: dist.barrier(),
-        exclude_frozen_parameters=False,
+        exclude_frozen_parameters=exclude_frozen_parameters,
     )
 
 
@@ -309,10 +315,9 @@ def load_checkpoint(
 
 
 def _route_checkpoint_methods(engine: Any) -> None:
-    """Give the engine's own ``save_checkpoint``/``load_checkpoint`` (what the Hugging Face Trainer and Accelerate
-    call) the durable save, the checks and the re-partitioning of :func:`save_checkpoint`/:func:`load_checkpoint`,
-    keeping DeepSpeed's layout: ``save_dir/<tag>`` (default tag ``global_step<N>``) and a ``latest`` file. ``load_dir``
-    may also be one checkpoint (``save_dir/<tag>``)."""
+    """The engine's own ``save_checkpoint``/``load_checkpoint`` (what the Hugging Face Trainer and Accelerate call) go
+    through :func:`save_checkpoint`/:func:`load_checkpoint`, in DeepSpeed's layout: ``save_dir/<tag>`` (default tag
+    ``global_step<N>``) and a ``latest`` file. ``load_dir`` may also be one checkpoint (``save_dir/<tag>``)."""
     import torch.distributed as dist
 
     def save(
@@ -323,15 +328,7 @@ def _route_checkpoint_methods(engine: Any) -> None:
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-        core.save_checkpoint(
-            engine,
-            Path(save_dir) / tag,
-            dict(client_state or {}),
-            world_size=dist.get_world_size(),
-            is_global_zero=dist.get_rank() == 0,
-            barrier=lambda name: dist.barrier(),
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )
+        save_checkpoint(engine, Path(save_dir) / tag, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
         if save_latest and dist.get_rank() == 0:
             core.write_latest_tag(save_dir, tag)
         dist.barrier()
@@ -355,17 +352,13 @@ def _route_checkpoint_methods(engine: Any) -> None:
             path = Path(load_dir)  # one checkpoint rather than a directory of them
         else:
             path = Path(load_dir) / (core.read_latest_tag(load_dir) if tag is None else str(tag))
-        client_state, _ = core.load_checkpoint(
+        client_state = load_checkpoint(
             engine,
             path,
-            world_size=dist.get_world_size(),
-            rank=dist.get_rank(),
             load_optimizer_states=load_optimizer_states,
-            strict=load_module_strict,
-            strategy_name=NAME,
             load_lr_scheduler_states=load_lr_scheduler_states,
+            strict=load_module_strict,
         )
-        engine.pure_bf16.resync_skips()
         return os.fspath(path), client_state
 
     engine.save_checkpoint, engine.load_checkpoint = save, load
