@@ -23,6 +23,7 @@ skips on inf/NaN, logs the measured memory per parameter, and runs on CUDA or on
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -76,20 +77,20 @@ def _optimizer_from_config(section: dict[str, Any], params: Any, options: Optimi
     return cls(params, **hp, **options.optimizer_kwargs())
 
 
-def checked_options(who: str, **options: Any) -> dict[str, Any]:
-    """``options`` (``rounding``, ``moments``, ``compensation``, ``state_storage``, ``state_dir``, ``seed``,
-    ``backend``) after the checks :func:`initialize` makes, with the same words naming ``who``: for a front end over
-    this one that must refuse a bad value before it sets anything up.
+OPTION_NAMES = ("rounding", "moments", "compensation", "state_storage", "state_dir", "seed", "backend")
+
+
+def take_options(who: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove this front end's options (:data:`OPTION_NAMES`) from ``kwargs`` and return all of them, the ones not
+    given at :func:`initialize`'s defaults, after the checks it makes, with the same words naming ``who``: for a front
+    end over this one (``PureBF16Trainer``, ``PureBF16Accelerator``) that must refuse a bad value before it sets
+    anything up and passes the rest of ``kwargs`` to its own base class.
 
     Raises:
         ValueError: a bad option.
     """
-    unknown = sorted(set(options) - set(OPTION_NAMES))
-    if unknown:
-        raise TypeError(f"`{who}` got unknown options {unknown}; it accepts {list(OPTION_NAMES)}.")
-    defaults = {"rounding": "stochastic", "moments": "bf16", "compensation": "bf16", "state_storage": "memory"}
-    defaults.update({"state_dir": None, "seed": None, "backend": "auto"})
-    options = {**defaults, **options}
+    defaults = inspect.signature(initialize).parameters
+    options = {name: kwargs.pop(name, defaults[name].default) for name in OPTION_NAMES}
     core.PureBF16Settings(
         who=who,
         strategy_name=who,
@@ -99,9 +100,6 @@ def checked_options(who: str, **options: Any) -> dict[str, Any]:
         **options,
     )
     return options
-
-
-OPTION_NAMES = ("rounding", "moments", "compensation", "state_storage", "state_dir", "seed", "backend")
 
 
 def initialize(
@@ -364,4 +362,4 @@ def _route_checkpoint_methods(engine: Any) -> None:
     engine.save_checkpoint, engine.load_checkpoint = save, load
 
 
-__all__ = ["OPTION_NAMES", "checked_options", "initialize", "load_checkpoint", "save_checkpoint"]
+__all__ = ["OPTION_NAMES", "take_options", "initialize", "load_checkpoint", "save_checkpoint"]

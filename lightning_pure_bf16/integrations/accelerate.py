@@ -42,35 +42,15 @@ class PureBF16Accelerator(accelerate.Accelerator):
         *args, **kwargs: as ``accelerate.Accelerator``. ``mixed_precision`` must be ``"bf16"`` or left out;
             ``deepspeed_plugin`` defaults to ``DeepSpeedPlugin(zero_stage=3)``; ``cpu=True`` (or no CUDA device)
             runs DeepSpeed on the CPU over gloo.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend: as
-            :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
+        rounding, moments, compensation, state_storage, state_dir, seed, backend: keyword options, as
+            :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
 
     Raises:
         ValueError: a bad option, another ``mixed_precision``, or no DeepSpeed, before Accelerate is set up.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        rounding: str = "stochastic",
-        moments: str = "bf16",
-        compensation: str = "bf16",
-        state_storage: str = "memory",
-        state_dir: str | os.PathLike | None = None,
-        seed: int | None = None,
-        backend: str = "auto",
-        **kwargs: Any,
-    ) -> None:
-        options = pure_bf16_deepspeed.checked_options(
-            WHO,
-            rounding=rounding,
-            moments=moments,
-            compensation=compensation,
-            state_storage=state_storage,
-            state_dir=state_dir,
-            seed=seed,
-            backend=backend,
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = pure_bf16_deepspeed.take_options(WHO, kwargs)
         precision = kwargs.get("mixed_precision")
         if precision not in (None, "bf16"):
             raise ValueError(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from typing import Any
 
 import transformers
@@ -71,36 +70,16 @@ class PureBF16Trainer(transformers.Trainer):
             ``deepspeed`` set (:func:`deepspeed_config`, a dict or a JSON file); ``optim`` an AdamW
             (``"adamw_torch"``, the default, or ``"adamw_torch_fused"``). ``optimizers=(optimizer, scheduler)`` may
             give a torch ``AdamW``/``Adam`` or a ``lightning_pure_bf16.AdamW`` and a scheduler on it.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend: as
-            :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
+        rounding, moments, compensation, state_storage, state_dir, seed, backend: keyword options, as
+            :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
 
     Raises:
         ValueError: a bad option, ``TrainingArguments`` without DeepSpeed or bf16, or another optimizer choice,
             before the Trainer is set up.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        rounding: str = "stochastic",
-        moments: str = "bf16",
-        compensation: str = "bf16",
-        state_storage: str = "memory",
-        state_dir: str | os.PathLike | None = None,
-        seed: int | None = None,
-        backend: str = "auto",
-        **kwargs: Any,
-    ) -> None:
-        self.pure_bf16_options = pure_bf16_deepspeed.checked_options(
-            WHO,
-            rounding=rounding,
-            moments=moments,
-            compensation=compensation,
-            state_storage=state_storage,
-            state_dir=state_dir,
-            seed=seed,
-            backend=backend,
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.pure_bf16_options = pure_bf16_deepspeed.take_options(WHO, kwargs)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _check_training_args(training_args)
         super().__init__(*args, **kwargs)
