@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpt import GPT, ByteWindows, GPTConfig, job_arguments, load_bytes, lr_factor, stdlib_files
+from gpt import ByteWindows, adamw, job_arguments, job_model, load_bytes, lr_factor, stdlib_files
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -53,15 +53,8 @@ def main() -> None:
     parser.set_defaults(devices=None)  # the launcher decides the number of ranks
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    n_head = max(4, args.n_embd // 64)
-    model = GPT(GPTConfig(block_size=128, n_layer=args.n_layer, n_head=n_head, n_embd=args.n_embd))
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
+    model = job_model(args)
+    optimizer = adamw(model, args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(50, args.max_steps))
     # The torch AdamW becomes the pure-bf16 one; the scheduler follows it and is saved in the checkpoints.
     engine, optimizer, _, scheduler = pure_bf16.initialize(

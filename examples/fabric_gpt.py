@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gpt import GPT, GPTConfig, StdlibBytes, job_arguments, lr_factor
+from gpt import StdlibBytes, adamw, job_arguments, job_model, lr_factor
 from lightning.fabric import Fabric
 from torchmetrics import MeanMetric
 
@@ -57,15 +57,8 @@ def main() -> None:
     )
     fabric.launch()
     fabric.seed_everything(args.seed)
-    n_head = max(4, args.n_embd // 64)
-    model = GPT(GPTConfig(block_size=128, n_layer=args.n_layer, n_head=n_head, n_embd=args.n_embd))
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
+    model = job_model(args)
+    optimizer = adamw(model, args.lr)
     model, optimizer = fabric.setup(model, optimizer)
     # The optimizer fabric.setup returned is a torch optimizer: schedulers are built on it as usual.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(50, args.max_steps))

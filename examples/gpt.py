@@ -240,15 +240,22 @@ class GPTModule(LightningModule):
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's own union type
         hp = self.hparams
-        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=(0.9, 0.95),
-        )
+        optimizer = adamw(self, hp.lr, hp.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(hp.warmup_steps, hp.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def adamw(module: nn.Module, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:
+    """torch AdamW with weight decay on the matrices only (biases and norms in a group without), betas (0.9, 0.95)."""
+    decay = [p for p in module.parameters() if p.ndim >= 2]
+    no_decay = [p for p in module.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def job_model(args: argparse.Namespace) -> GPT:
+    """The GPT of the command-line jobs: 128-byte context, ``--n-layer`` x ``--n-embd``, 64-wide heads (at least 4)."""
+    return GPT(GPTConfig(block_size=128, n_layer=args.n_layer, n_head=max(4, args.n_embd // 64), n_embd=args.n_embd))
 
 
 def job_arguments(description: str) -> argparse.ArgumentParser:
