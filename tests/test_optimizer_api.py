@@ -144,6 +144,17 @@ def test_a_copy_after_some_steps_continues_bit_for_bit(how, rounding):
         )
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_steps_its_own_float32_parameters(how):
+    # The copy's parameters are new tensors: they are the ones it was given, not float32 masters put in their place.
+    params = [torch.nn.Parameter(torch.randn(8))]
+    params2, opt2 = _copy((params, AdamW(params, lr=1e-2)), how)
+    params2[0].grad = torch.ones_like(params2[0])
+    before = params2[0].detach().clone()
+    opt2.step()
+    assert not torch.equal(params2[0], before)
+
+
 def test_a_copy_checks_its_own_gradients_until_given_a_reduce():
     params = list(_model().parameters())
     opt = AdamW(params)

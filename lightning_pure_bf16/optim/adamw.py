@@ -223,6 +223,8 @@ class AdamW(Optimizer):
         self.check_nonfinite = True
         self.nonfinite_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._next_stream = 0
+        # The parameters this optimizer was given (ids): a float32 tensor stepped in their place is a wrapper's master.
+        self._given_params: set[int] = set()
         super().__init__(params, defaults)
         if backend in ("auto", "cpu") and any(
             p.device.type == "cpu" and p.dtype == torch.bfloat16 for g in self.param_groups for p in g["params"]
@@ -260,8 +262,6 @@ class AdamW(Optimizer):
         )
         # torch checks the rest (sets, non-tensors, names on some parameters only, a parameter in two groups).
         super().add_param_group(param_group)
-        if not hasattr(self, "_given_params"):
-            self._given_params: set[int] = set()
         self._given_params.update(id(p) for p in self.param_groups[-1]["params"])
 
     @property
@@ -598,6 +598,7 @@ class AdamW(Optimizer):
         state = dict(state)
         root = state.pop("_state_root", None)
         super().__setstate__(state)
+        self._given_params = {id(p) for group in self.param_groups for p in group["params"]}  # the copy's own
         self.nonfinite_reduce = None
         self._streamers = {}
         self._store = None
