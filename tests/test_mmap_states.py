@@ -113,12 +113,48 @@ def test_fused_cpu_loop_splits_pieces_at_the_2_32_index_boundary():
         assert torch.equal(_bits(x), _bits(y))
 
 
-def test_misaligned_index_offset_is_refused():
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_pieces_at_any_offset_equal_the_whole_tensor(backend, rounding):
+    """Gradient release updates each parameter's slice of a flat partition on its own: pieces that start anywhere
+    (not at a chunk or block multiple) give the bits of the whole update."""
+    if backend == "cpu" and not fused_cpu_available():
+        pytest.skip("the fused CPU loop did not compile")
+    update = {
+        "torch": lambda *a, **k: adamw_update_torch_(*a, chunk_size=1024, **k),
+        "cpu": adamw_update_cpu_,
+        "triton": _triton_update() if backend == "triton" else None,
+    }[backend]
+    n, cuts = 5000, [0, 1, 7, 300, 1025, 1030, 3333, 4999, 5000]
+    whole = _buffers(n, seed=2)
+    pieces = [t.clone() for t in whole]
+    update(*whole[:4], whole[4] if rounding == "kahan" else None, _args(rounding))
+    for s, e in zip(cuts, cuts[1:]):
+        chunk = [t[s:e] for t in pieces]
+        update(*chunk[:4], chunk[4] if rounding == "kahan" else None, _args(rounding), index_offset=s)
+    for a, b in zip(whole, pieces):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_piece_across_the_2_32_index_boundary_at_an_odd_offset(backend):
+    """A piece whose index crosses 2**32 at an offset that is no power-of-two multiple: the torch path splits its
+    chunks there and the Triton launcher its launches; both equal the fused CPU loop (or the torch path)."""
+    update = (lambda *a, **k: adamw_update_torch_(*a, chunk_size=1024, **k)) if backend == "torch" else _triton_update()
+    offset = (1 << 32) - 777
+    a, b = _buffers(2000, seed=3), _buffers(2000, seed=3)
+    update(*a[:4], None, _args("stochastic"), index_offset=offset)
+    reference = adamw_update_cpu_ if fused_cpu_available() else adamw_update_torch_
+    reference(*b[:4], None, _args("stochastic"), index_offset=offset)
+    for x, y in zip(a, b):
+        assert torch.equal(_bits(x), _bits(y))
+
+
+def test_bad_index_offsets_are_refused():
     buffers = _buffers(2048)
-    with pytest.raises(ValueError, match="index_offset"):
-        adamw_update_torch_(*buffers[:4], None, _args("stochastic"), chunk_size=1024, index_offset=512)
-    with pytest.raises(ValueError, match="index_offset"):
-        _triton_update()(*buffers[:4], None, _args("stochastic"), index_offset=100)
+    for update in (adamw_update_torch_, _triton_update()):
+        with pytest.raises(ValueError, match="index_offset"):
+            update(*buffers[:4], None, _args("stochastic"), index_offset=-1)
 
 
 # --------------------------------------------------------------------------------------------- the optimizer

@@ -12,11 +12,11 @@ from typing import NamedTuple
 import torch
 
 from lightning_pure_bf16.ops import quant
-from lightning_pure_bf16.ops.rng import random_bits
+from lightning_pure_bf16.ops.rng import next_high_word, random_bits
 from lightning_pure_bf16.ops.rounding import nearest_round_bf16, stochastic_round_bf16, stochastic_round_sum_bf16
 
 # 2**18 elements: about a dozen float32/int32 temporaries of 1 MiB each (well under 64 MiB), large enough that the
-# per-chunk Python overhead is small against the arithmetic, and a power of two as rng.random_bits requires.
+# per-chunk Python overhead is small against the arithmetic, and a power of two (a multiple of the 8-bit scale block).
 DEFAULT_CHUNK = 1 << 18
 
 ROUNDING_MODES = ("stochastic", "kahan", "nearest")
@@ -107,8 +107,8 @@ def adamw_update_torch_(
         args: the step's scalars.
         chunk_size: elements per chunk; a power of two (default: ``2**18``).
         index_offset: index of the first element within the whole tensor, when the buffers are one piece of it (the
-            random bits belong to the element's index in the whole tensor); a multiple of ``chunk_size`` or of a power
-            of two at least ``param.numel()`` (default: ``0``).
+            random bits belong to the element's index in the whole tensor); any non-negative int, a multiple of
+            ``QBLOCK`` with 8-bit moments (their scale blocks are counted from the piece's start) (default: ``0``).
     """
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
@@ -118,11 +118,8 @@ def adamw_update_torch_(
             f"8-bit moments need a chunk size and index offset that are multiples of {quant.QBLOCK}, got"
             f" {chunk_size} and {index_offset}."
         )
-    if index_offset < 0 or index_offset % min(chunk_size, 1 << max(param.numel() - 1, 0).bit_length()):
-        raise ValueError(
-            f"`index_offset={index_offset}` must be a non-negative multiple of the chunk size ({chunk_size}) or of a"
-            " power of two no smaller than the piece."
-        )
+    if index_offset < 0:
+        raise ValueError(f"`index_offset={index_offset}` must be non-negative.")
     n = param.numel()
     if n == 0:
         return
@@ -133,8 +130,11 @@ def adamw_update_torch_(
     local = torch.arange(min(chunk_size, n), dtype=torch.int32, device=param.device) if bf16 else None
 
     s = args.scalars
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
+    start = 0
+    while start < n:
+        # A chunk ends where the index's high word changes (its random bits take one block key); with 8-bit moments
+        # that is a multiple of QBLOCK too, since the offset is.
+        end = min(start + chunk_size, n, next_high_word(index_offset + start) - index_offset)
         # Compute in fp32 whatever the storage dtype: bf16 arithmetic would round every intermediate.
         p = p_flat[start:end].float()
         g = g_flat[start:end].float()
@@ -164,6 +164,7 @@ def adamw_update_torch_(
             p_flat[start:end] = p.add_(delta)
             m_flat[start:end] = m
             v_flat[start:end] = v
+            start = end
             continue
 
         idx = local[: end - start]
@@ -202,6 +203,7 @@ def adamw_update_torch_(
         p_flat[start:end] = p_out
         m_flat[start:end] = m_out
         v_flat[start:end] = v_out
+        start = end
 
     for t, flat in ((param, p_flat), (exp_avg, m_flat), (exp_avg_sq, v_flat), (kahan_comp, c_flat)):
         if t is not None and not t.is_contiguous():

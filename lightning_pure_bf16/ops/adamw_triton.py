@@ -202,8 +202,8 @@ def _adamw_kernel(
     # One kernel for every state format: Q8M (8-bit moments with block scales) and C8 (an 8-bit Kahan remainder) are
     # compile-time switches; with both off it reads and writes bf16 states only. A tile of BLOCK // QBLOCK scale
     # blocks (rows) of QBLOCK elements. int64 offsets: a ZeRO-3 flat partition can hold more than 2**31 elements.
-    # index_offset is a multiple of BLOCK, so a tile never crosses a 2**32 boundary of the index and the high index
-    # word is one scalar (see ops.rng).
+    # The launcher splits a piece where the index's high word changes, so the high word is one scalar per launch
+    # (see ops.rng); index_offset is otherwise any non-negative int (a multiple of QBLOCK with 8-bit moments).
     NB: tl.constexpr = BLOCK // _QBLOCK
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rows = tl.arange(0, NB)
@@ -304,14 +304,18 @@ def adamw_update_triton_(
     8-bit states with their scales).
 
     Same contract and same random bits as :func:`lightning_pure_bf16.ops.adamw_torch.adamw_update_torch_`; all
-    buffers must be contiguous. ``index_offset`` (a multiple of ``BLOCK_SIZE``) is the index of the first element in
-    the whole tensor when the buffers are one piece of it.
+    buffers must be contiguous. ``index_offset`` is the index of the first element in the whole tensor when the
+    buffers are one piece of it (a multiple of ``QBLOCK`` with 8-bit moments).
     """
     n = param.numel()
     if n == 0:
         return
-    if index_offset < 0 or index_offset % BLOCK_SIZE:
-        raise ValueError(f"`index_offset={index_offset}` must be a non-negative multiple of {BLOCK_SIZE}.")
+    if index_offset < 0:
+        raise ValueError(f"`index_offset={index_offset}` must be non-negative.")
+    if exp_avg_scale is not None and index_offset % quant.QBLOCK:
+        raise ValueError(
+            f"8-bit moments need an `index_offset` that is a multiple of {quant.QBLOCK}, got {index_offset}."
+        )
     if args.rounding == "kahan" and kahan_comp is None:
         raise ValueError("`rounding='kahan'` needs the compensation buffer.")
     q8m = exp_avg_scale is not None
@@ -341,6 +345,20 @@ def adamw_update_triton_(
         if dtype is not None and t.dtype != dtype:
             want, got = (str(d).removeprefix("torch.") for d in (dtype, t.dtype))
             raise ValueError(f"The Triton AdamW kernel needs {want} `{name}`, got {got}.")
+    end = rng.next_high_word(index_offset) - index_offset
+    if end < n:
+        # The index's high word changes inside the piece: one launch on each side (2**32 is a multiple of QBLOCK).
+        first = {"exp_avg_scale": None, "exp_avg_sq_scale": None}
+        second = dict(first)
+        if q8m:
+            cut = end // quant.QBLOCK
+            first = {"exp_avg_scale": exp_avg_scale[:cut], "exp_avg_sq_scale": exp_avg_sq_scale[:cut]}
+            second = {"exp_avg_scale": exp_avg_scale[cut:], "exp_avg_sq_scale": exp_avg_sq_scale[cut:]}
+        head = [t[:end] if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, kahan_comp)]
+        tail = [t[end:] if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, kahan_comp)]
+        adamw_update_triton_(*head, args, index_offset=index_offset, **first)
+        adamw_update_triton_(*tail, args, index_offset=index_offset + end, **second)
+        return
     grid = (triton.cdiv(n, BLOCK_SIZE),)
     # Launch on the parameter's GPU, not the current one (a multi-GPU process may have another one current).
     with torch.cuda.device(param.device) if param.is_cuda else nullcontext():

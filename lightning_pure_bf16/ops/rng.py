@@ -5,9 +5,9 @@ state exists, so the Triton kernel and the PyTorch path draw the same bits, and 
 uninterrupted one. The mixing function is the ``lowbias32`` integer hash published by Chris Wellons (hash-prospector),
 chosen because it is a handful of 32-bit multiplies and shifts that every backend computes exactly.
 
-Element ``i`` of a stream keyed ``key`` gets ``mix32(lo32(i) ^ mix32(key ^ hi32(i)))``. Backends process blocks whose
-start is a multiple of a power of two no larger than ``2**32``, so ``hi32(i)`` is constant in a block and the inner mix
-is computed once per block.
+Element ``i`` of a stream keyed ``key`` gets ``mix32(lo32(i) ^ mix32(key ^ hi32(i)))``. Backends process blocks that
+do not cross a multiple of ``2**32``, so ``hi32(i)`` is constant in a block and the inner mix is computed once per
+block.
 """
 
 from __future__ import annotations
@@ -115,12 +115,20 @@ def random_bits(key: int, start: int, local_index: torch.Tensor) -> torch.Tensor
 
     Args:
         key: a stream key from :func:`stream_key`.
-        start: index of the block's first element; a multiple of a power of two at least ``local_index.numel()``
-            and at most ``2**32`` (so the block's high index bits are constant and ``start | j == start + j``).
+        start: index of the first element, any non-negative int such that ``start`` and the last element share the
+            high 32 bits of their index (the range does not cross a multiple of ``2**32``).
         local_index: ``torch.arange(n, dtype=torch.int32)`` on the target device, ``n <= 2**31``, reused across calls.
     """
-    lo = _to_int32(((start & MASK32) ^ block_key(key, start)) & MASK32)
-    return _mix32_int32_(local_index ^ lo)
+    # The low index word is start's plus the local index, modulo 2**32 (int32 addition wraps, as the multiplications
+    # of the mix do); where start is a multiple of a power of two no smaller than the range, that is start | j.
+    lo = local_index + _to_int32(start & MASK32)
+    return _mix32_int32_(lo.bitwise_xor_(_to_int32(block_key(key, start))))
+
+
+def next_high_word(start: int) -> int:
+    """The first index after ``start`` whose high 32 bits differ from ``start``'s (a range of :func:`random_bits`
+    ends there at the latest)."""
+    return ((start >> 32) + 1) << 32
 
 
 __all__ = [
@@ -129,6 +137,7 @@ __all__ = [
     "draw_seed",
     "element_bits",
     "mix32",
+    "next_high_word",
     "random_bits",
     "rank_seed",
     "stream_key",
