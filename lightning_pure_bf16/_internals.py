@@ -26,7 +26,7 @@ import importlib
 import inspect
 import os
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +63,8 @@ class PrivateName:
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _LIGHTNING_DS = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
 _ACCELERATOR = "accelerate.accelerator:Accelerator"
+# ZeRO-3's per-parameter views of its flat gradient partition (a name-mangled attribute).
+_GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 # Owners in optional dependencies: checked where they are installed.
 OPTIONAL_OWNERS = ("accelerate", "transformers")
 
@@ -90,6 +92,29 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "wrapped per engine: the gradient norm reads the partitions in pieces (no full-size float64 copy)",
     ),
     PrivateName(_STAGE3, "fp16_groups", "attribute", "each sub-group's parameters in partition order (repartition)"),
+    PrivateName(
+        _STAGE3,
+        "def partition_grads(self, params_to_release",
+        "marker",
+        "replaced per engine under gradient release: each bucket's partitions applied, not kept (its body:"
+        " COPIED_UPSTREAM)",
+    ),
+    PrivateName(
+        _STAGE3,
+        "self.partition_grads(params_in_bucket, grad_partitions)",
+        "marker",
+        "the call inside the reduce stream that gradient release hooks",
+    ),
+    PrivateName(_STAGE3, "_get_param_partition_rank", "method", "whether a partition holds elements", ("self",)),
+    PrivateName(_STAGE3, "micro_step_id", "attribute", "gradient release: a second backward before the step"),
+    PrivateName(
+        _STAGE3, "__param_id_to_grad_partition", "attribute", "gradient release points them at an empty tensor"
+    ),
+    PrivateName(_STAGE3, "_pre_step", "method", "the bookkeeping step of gradient release", ("self",)),
+    PrivateName(_STAGE3, "_partition_all_parameters", "method", "the bookkeeping step of gradient release", ("self",)),
+    PrivateName(_STAGE3, "_post_step", "method", "the bookkeeping step of gradient release", ("self", "timer_names")),
+    PrivateName(_STAGE3, "overflow", "attribute", "the bookkeeping step of gradient release reports no overflow"),
+    PrivateName(_STAGE3, "_global_grad_norm", "attribute", "the bookkeeping step of gradient release sets it"),
     PrivateName(_STAGE3, "param_names", "attribute", "each parameter's name (repartition)"),
     PrivateName(_STAGE3, "clip_grad", "attribute", "the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)"),
     PrivateName(_STAGE3, "checkpoint_event_prologue", "method", "partition every parameter before a load", ("self",)),
@@ -260,7 +285,15 @@ COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
     },
     f"{_STAGE3}._prepare_fp32_grad_for_sub_group": {
         "ours": "_internals.view_sub_group_gradients (the same result without the flattened copy)",
-        "tested": {"deepspeed 0.19.8": "f2043b8097292754"},
+        "tested": {"deepspeed 0.19.8": "e19095bb1db7f991"},
+    },
+    f"{_STAGE3}.step": {
+        "ours": "_internals.step_without_update (gradient release: its bookkeeping without the update)",
+        "tested": {"deepspeed 0.19.8": "ece97b149cac56f4"},
+    },
+    f"{_STAGE3}.partition_grads": {
+        "ours": "_internals.release_gradient_partitions (gradient release: what it frees and its test for data)",
+        "tested": {"deepspeed 0.19.8": "97f5aff810864920"},
     },
     "torch.optim.lr_scheduler:LRScheduler.__init__.patch_track_step_called": {
         "ours": "_internals.mark_step_for_lr_scheduler",
@@ -291,6 +324,7 @@ def source_fingerprint(target: str) -> str:
     except AttributeError:
         outer, _, inner = target.rpartition(".")
         obj = resolve(outer)
+    obj = undecorated(obj, target.replace(":", ".").rpartition(".")[2])
     tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
     node: ast.AST = tree.body[0]
     if inner is not None:
@@ -310,6 +344,18 @@ def source_fingerprint(target: str) -> str:
         ):
             n.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
     return hashlib.sha256(ast.dump(node, annotate_fields=False).encode()).hexdigest()[:16]
+
+
+def undecorated(obj: Any, name: str) -> Any:
+    """The function named ``name`` under decorators that keep it only in their closure (DeepSpeed's
+    ``instrument_w_nvtx`` has no ``functools.wraps``: the source of the method would be the decorator's)."""
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    while inspect.isfunction(obj) and obj.__name__ != name and obj.__closure__:
+        inner = [c.cell_contents for c in obj.__closure__ if inspect.isfunction(c.cell_contents)]
+        if not inner:
+            break
+        obj = inner[0]
+    return obj
 
 
 def _read(obj: Any, name: str, why: str) -> Any:
@@ -530,6 +576,103 @@ def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
     return total.sqrt().float()
+
+
+def zero3_param_positions(zero_optimizer: Any) -> dict[int, tuple[int, int, int]]:
+    """``ds_id -> (sub-group, offset in its flat partition, partition numel)`` for every parameter of this rank.
+
+    Raises:
+        UpstreamChanged: a parameter's partition is not where the layout says in the master partition (the master
+            aliasing is off, or DeepSpeed lays partitions out differently).
+    """
+    groups = _read(zero_optimizer, "fp16_groups", "the parameters of each sub-group")
+    masters = zero3_master_partitions(zero_optimizer)
+    positions = {}
+    for sub_group, (params, flat) in enumerate(zip(groups, masters)):
+        offset = 0
+        for p in params:
+            numel = int(p.partition_numel())
+            if p.ds_tensor.data_ptr() != flat.data_ptr() + offset * flat.element_size():
+                raise UpstreamChanged(
+                    f"ZeRO-3's partition of parameter {p.ds_id} is not at element {offset} of sub-group {sub_group}'s"
+                    " master partition: gradient release needs the parameter partitions to be the master partitions."
+                    " The installed DeepSpeed is not a version lightning_pure_bf16 supports."
+                )
+            positions[p.ds_id] = (sub_group, offset, numel)
+            offset += numel
+    return positions
+
+
+def release_gradient_partitions(
+    zero_optimizer: Any, apply: Callable[[list[Any], list[torch.Tensor], list[bool]], None]
+) -> None:
+    """Hand each reduce-scattered bucket to ``apply(params, grad_partitions, has_data)`` instead of copying it into
+    ZeRO-3's flat gradient partition, and free that partition (gradient release).
+
+    ``partition_grads`` is called by ``__reduce_and_partition_ipg_grads`` inside the stream DeepSpeed reduces on, so
+    ``apply`` runs ordered after the reduce-scatter. ``has_data``: whether this rank's partition of the parameter
+    holds any of its elements (DeepSpeed's own test). The flat buffer becomes empty, and the per-parameter views of it
+    (read by the end-of-backward epilogue) point at that empty tensor. Replaced on this optimizer instance only.
+
+    Raises:
+        RuntimeError: a second backward before the step (``micro_step_id`` past 0): its gradients would be a second
+            update of the same step.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    _read(zero_optimizer, "partition_grads", "replaced: each gradient partition is applied, not kept")
+    partition_rank = _read(zero_optimizer, "_get_param_partition_rank", "whether a partition holds elements")
+    _read(zero_optimizer, "micro_step_id", "a second backward before the step")
+    buffer = _read(zero_optimizer, "grad_partitions_flat_buffer", "the gradient partition")
+    views = _read(zero_optimizer, _GRAD_VIEWS, "the per-parameter views of the gradient partition")
+    synchronized = get_accelerator().is_synchronized_device()
+
+    def partition_grads(params: list[Any], grad_partitions: list[torch.Tensor]) -> list[torch.Tensor]:
+        if zero_optimizer.micro_step_id != 0:
+            raise RuntimeError(
+                "gradient_release=True: a second backward ran before the optimizer step. With gradient release each"
+                " backward's gradients are applied as they arrive, so micro-batches cannot accumulate: step after"
+                " every backward, or leave gradient release off."
+            )
+        has_data = [p.partition_numel() * partition_rank(p) < p.ds_numel for p in params]
+        apply(params, grad_partitions, has_data)
+        for p in params:
+            if not synchronized and p.grad is not None:
+                p.grad.record_stream(get_accelerator().current_stream())
+            p.grad = None
+        return []
+
+    zero_optimizer.partition_grads = partition_grads
+    empty = buffer.new_empty(0) if buffer is not None else torch.empty(0)
+    zero_optimizer.grad_partitions_flat_buffer = empty
+    for key in views:
+        views[key] = empty
+
+
+def step_without_update(zero_optimizer: Any, finish: Callable[[], float]) -> None:
+    """Make ZeRO-3's ``step`` bookkeeping only, for gradient release: the partitions are already updated, so the step
+    partitions the parameters, calls ``finish()`` (the held pieces, the step counters; it returns the gradient norm),
+    reports no overflow, clears the gradients and re-gathers persistent parameters (DeepSpeed's ``_pre_step``,
+    ``_partition_all_parameters``, ``zero_grad`` and ``_post_step``, as its own step calls them). Replaced on this
+    optimizer instance only; the steps of ``step`` this keeps are fingerprinted in :data:`COPIED_UPSTREAM`."""
+    pre = _read(zero_optimizer, "_pre_step", "the step's bookkeeping")
+    partition_all = _read(zero_optimizer, "_partition_all_parameters", "parameters partitioned before the step")
+    zero_grad = _read(zero_optimizer, "zero_grad", "gradients cleared at the step")
+    post = _read(zero_optimizer, "_post_step", "persistent parameters re-gathered after the step")
+    _read(zero_optimizer, "overflow", "the skipped-step flag the engine reads")
+    _read(zero_optimizer, "_global_grad_norm", "the gradient norm the engine reports")
+
+    def step(closure: Any = None) -> None:
+        pre()
+        partition_all()
+        norm = finish()
+        zero_optimizer.overflow = False
+        zero_optimizer._global_grad_norm = norm
+        zero_grad(set_to_none=True)
+        zero_optimizer.averaged_gradients = {}
+        post(set())
+
+    zero_optimizer.step = step
 
 
 def set_engine_counters(engine: Any, *, global_steps: int, global_samples: int, skipped_steps: int) -> None:

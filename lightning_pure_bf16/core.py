@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +43,7 @@ from lightning_pure_bf16.optim.options import (
     check_choice,
     resolve_state_dir,
 )
+from lightning_pure_bf16.release import GradientRelease, check_release_config
 from lightning_pure_bf16.repartition import (
     DEEPSPEED_KEYS,
     RepartitionError,
@@ -68,6 +70,14 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepspeed_pure_bf16_int8_kahan": (
         "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments and an 8-bit Kahan remainder (7 bytes/param)",
         {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
+    ),
+    "deepspeed_pure_bf16_release": (
+        "DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding and gradient release (6 bytes/param)",
+        {"gradient_release": True},
+    ),
+    "deepspeed_pure_bf16_int8_release": (
+        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments and gradient release (4 bytes/param)",
+        {"moments": "int8", "gradient_release": True},
     ),
     "deepspeed_pure_bf16_mmap": (
         f"DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or ${STATE_DIR_ENV})",
@@ -163,6 +173,8 @@ class PureBF16Settings:
         loaded_config: the user's DeepSpeed config as loaded by Lightning (``None``: none given).
         state_storage, state_dir, rounding, seed, backend, moments, compensation: the strategy's arguments.
         reduce_bucket_size, allgather_bucket_size: the strategy's arguments (``None``: the device's default).
+        gradient_release: update each parameter's partition as soon as its gradient is reduce-scattered
+            (:mod:`lightning_pure_bf16.release`).
     """
 
     def __init__(
@@ -180,8 +192,13 @@ class PureBF16Settings:
         compensation: str,
         reduce_bucket_size: int | None,
         allgather_bucket_size: int | None,
+        gradient_release: bool = False,
     ) -> None:
+        self.who = who
         self.strategy_name = strategy_name
+        if not isinstance(gradient_release, bool):
+            raise ValueError(f"`{who}(gradient_release={gradient_release!r})` must be True or False.")
+        self.gradient_release = gradient_release
         section, self.user_config = split_config_section(loaded_config, strategy_name=strategy_name)
         if state_storage == "memory" and "state_storage" in section:
             state_storage = section["state_storage"]
@@ -198,6 +215,8 @@ class PureBF16Settings:
         self.optimizer_options = OptimizerOptions(
             rounding, seed, backend, state_storage, self.state_dir, moments, compensation
         ).check(who)
+        if gradient_release:
+            check_release_config(who, self.user_config or {}, state_storage=state_storage)
         user_zero = (self.user_config or {}).get("zero_optimization", {})
         # The buckets the user left to the default: set per device once it is known.
         self.default_buckets = [
@@ -212,6 +231,20 @@ class PureBF16Settings:
     def deepspeed_config(self, base: dict[str, Any]) -> dict[str, Any]:
         """Lightning's config from the strategy's arguments, with the user's merged over it and pure bf16 enforced."""
         return pure_bf16_deepspeed_config(base, self.user_config, strategy_name=self.strategy_name)
+
+    def check_engine_config(self, config: dict[str, Any]) -> None:
+        """With gradient release, refuse what the final DeepSpeed config asks that release cannot do (gradient
+        accumulation, clipping), before the engine is made. A config that leaves ``gradient_clipping`` out gets 0:
+        DeepSpeed's own default (1.0) is not a choice the user made, and release cannot honour it."""
+        if not self.gradient_release:
+            return
+        check_release_config(self.who, config, state_storage=self.state_storage)
+        if "gradient_clipping" not in config:
+            config["gradient_clipping"] = 0.0
+            rank_zero_info(
+                f"{self.strategy_name}: gradient release updates each parameter before the global gradient norm"
+                " exists, so DeepSpeed's default clipping to norm 1.0 is off (`gradient_clipping: 0`)."
+            )
 
     def configure_device(self, config: dict[str, Any], precision: Any, *, on_cpu: bool) -> None:
         """Point DeepSpeed at the device, set the CPU's buckets, and decide float32 products on CPUs without bf16
@@ -252,10 +285,19 @@ def device_rank(root_device: torch.device, local_rank: int) -> int:
 
 
 def initialize_engine(
-    config: dict[str, Any], model: torch.nn.Module, optimizer: Any, lr_scheduler: Any, rank: int
+    config: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: Any,
+    lr_scheduler: Any,
+    rank: int,
+    settings: PureBF16Settings | None = None,
 ) -> tuple[Any, Any, Any]:
-    """``deepspeed.initialize`` with ZeRO-3's master partitions aliased to the bf16 parameter partitions."""
+    """``deepspeed.initialize`` with ZeRO-3's master partitions aliased to the bf16 parameter partitions, after the
+    final config is checked against the front end's ``settings``."""
     import deepspeed
+
+    if settings is not None:
+        settings.check_engine_config(config)
 
     model_parameters = filter(lambda p: p.requires_grad, model.parameters())
     with _internals.alias_bf16_master_partitions():
@@ -294,9 +336,12 @@ def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
     )
 
 
-def after_engine_setup(engine: Any, strategy_name: str, device: torch.device) -> PeakMeter:
+def after_engine_setup(
+    engine: Any, strategy_name: str, device: torch.device, *, gradient_release: bool = False
+) -> PeakMeter:
     """Allocate every sub-group's optimizer state now (a shortage shows at setup), give the step views of the gradient
-    partition instead of copies, let the gradient norm read it in pieces, and log the memory per parameter.
+    partition instead of copies, let the gradient norm read it in pieces, install gradient release if asked (which
+    frees the gradient partition), and log the memory per parameter.
 
     Returns:
         A meter of the peak memory from now on (see :func:`peak_memory`).
@@ -304,6 +349,8 @@ def after_engine_setup(engine: Any, strategy_name: str, device: torch.device) ->
     init_zero3_optimizer_state(engine.optimizer)
     _internals.view_sub_group_gradients(engine.optimizer)
     _internals.gradient_norm_in_pieces(engine.optimizer)
+    if gradient_release:
+        _RELEASES[engine.optimizer] = GradientRelease(engine.optimizer, strategy_name)
     optimizer = inner_optimizer(engine)
     report = memory_report(engine)
     rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))
@@ -317,6 +364,14 @@ def after_engine_setup(engine: Any, strategy_name: str, device: torch.device) ->
     meter = PeakMeter(device)
     meter.reset()
     return meter
+
+
+_RELEASES: weakref.WeakKeyDictionary[Any, GradientRelease] = weakref.WeakKeyDictionary()
+
+
+def gradient_release(engine: Any) -> GradientRelease | None:
+    """The gradient release installed on this engine's ZeRO-3 optimizer, if any."""
+    return _RELEASES.get(engine.optimizer)
 
 
 def peak_memory(engine: Any, meter: PeakMeter | None) -> dict[str, Any] | None:
@@ -473,6 +528,7 @@ __all__ = [
     "translate_precision",
     "destroy_process_group_at_exit",
     "device_rank",
+    "gradient_release",
     "init_zero3_optimizer_state",
     "initialize_engine",
     "is_checkpoint",

@@ -77,7 +77,16 @@ def _optimizer_from_config(section: dict[str, Any], params: Any, options: Optimi
     return cls(params, **hp, **options.optimizer_kwargs())
 
 
-OPTION_NAMES = ("rounding", "moments", "compensation", "state_storage", "state_dir", "seed", "backend")
+OPTION_NAMES = (
+    "rounding",
+    "moments",
+    "compensation",
+    "state_storage",
+    "state_dir",
+    "seed",
+    "backend",
+    "gradient_release",
+)
 
 
 def take_options(who: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +128,7 @@ def initialize(
     state_dir: str | os.PathLike | None = None,
     seed: int | None = None,
     backend: str = "auto",
+    gradient_release: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, AdamW, Any, Any]:
     """``deepspeed.initialize`` in pure bf16: the same arguments and return value, plus the strategies' options.
@@ -130,7 +140,7 @@ def initialize(
             kept) or this package's ``AdamW``/``Adam``; without one, the config's ``"optimizer"`` section (type
             Adam or AdamW) or else ``AdamW(model_parameters)`` with its defaults is built. ``config`` may hold a
             ``"pure_bf16"`` section with ``state_storage`` and ``state_dir``, as the strategies' config does.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend: as
+        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release: as
             :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
         **kwargs: passed on to ``deepspeed.initialize`` (``collate_fn``, ``mpu``, ``dist_init_required``...).
 
@@ -172,8 +182,10 @@ def initialize(
         compensation=compensation,
         reduce_bucket_size=None,
         allgather_bucket_size=None,
+        gradient_release=gradient_release,
     )
     full = settings.deepspeed_config({"zero_optimization": {"stage": 3}})
+    settings.check_engine_config(full)
     on_cpu = not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
     settings.configure_device(full, None, on_cpu=on_cpu)  # no precision plugin: the user's model decides its products
     options = settings.optimizer_options
@@ -210,7 +222,7 @@ def initialize(
             **kwargs,
         )
     device = torch.device("cpu") if on_cpu else torch.device("cuda", local_rank)
-    meter = core.after_engine_setup(engine, NAME, device)
+    meter = core.after_engine_setup(engine, NAME, device, gradient_release=gradient_release)
     skips = core.SkipCounter()
     skips.sync(engine)
     step = engine.step

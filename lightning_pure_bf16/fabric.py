@@ -52,8 +52,8 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
 
     The arguments are those of :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy` (``rounding``, ``seed``,
     ``backend``, ``config``, ``sub_group_size``, bucket sizes, ``state_storage``, ``state_dir``, ``moments``,
-    ``compensation``), plus Fabric's (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``precision``,
-    ``process_group_backend``, ``timeout``...).
+    ``compensation``, ``gradient_release``), plus Fabric's (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``precision``, ``process_group_backend``, ``timeout``...).
 
     Differences from Fabric's ``DeepSpeedStrategy``, all following from pure bf16 on ZeRO-3:
         - ``fabric.setup(model, optimizer)`` returns this package's AdamW (a ``torch.optim.Optimizer``) in place of
@@ -64,7 +64,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         - A step with an inf/NaN gradient on any rank is skipped on every rank, counted in
           ``optimizer.skipped_steps`` and warned about (``error_if_nonfinite`` does not raise).
         - ``fabric.no_backward_sync`` is accepted and does nothing: every backward reduce-scatters, and gradients add
-          up until ``optimizer.step()``.
+          up until ``optimizer.step()`` (with ``gradient_release=True`` a second backward before the step raises).
     """
 
     strategy_name = "deepspeed_pure_bf16"
@@ -85,6 +85,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         state_dir: str | os.PathLike | None = None,
         moments: str = "bf16",
         compensation: str = "bf16",
+        gradient_release: bool = False,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
@@ -128,6 +129,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             compensation=compensation,
             reduce_bucket_size=reduce_bucket_size,
             allgather_bucket_size=allgather_bucket_size,
+            gradient_release=gradient_release,
         )
         self.config = self.settings.deepspeed_config(self.config)
         self._backward_sync_control = _EveryBackwardReduces()
@@ -219,7 +221,12 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         prepare_for_zero3(optimizer, base_seed=self.optimizer_options.seed, global_rank=self.global_rank)
         self._deepspeed_engine, _, scheduler = self._initialize_engine(module, optimizer, scheduler)
         self._set_deepspeed_activation_checkpointing()
-        self._peak_meter = core.after_engine_setup(self._deepspeed_engine, self.strategy_name, self.root_device)
+        self._peak_meter = core.after_engine_setup(
+            self._deepspeed_engine,
+            self.strategy_name,
+            self.root_device,
+            gradient_release=self.settings.gradient_release,
+        )
         self._skips.sync(self._deepspeed_engine)
         # The pure-bf16 optimizer itself: a torch optimizer (schedulers, param_groups), whose `step` through Fabric's
         # wrapper steps the engine.
@@ -231,7 +238,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         if optimizer is None:
             # Inference: as Fabric's own, with a device rank DeepSpeed accepts.
             return core.initialize_engine(self.config, model, None, None, rank)
-        return core.initialize_engine(self.config, model, optimizer, scheduler, rank)
+        return core.initialize_engine(self.config, model, optimizer, scheduler, rank, self.settings)
 
     # ------------------------------------------------------------------------------------------------ the step
     @override
@@ -271,6 +278,12 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             )
         if not max_norm > 0:
             raise ValueError(f"`fabric.clip_gradients(..., max_norm={max_norm})`: max_norm must be positive.")
+        if self.settings.gradient_release:
+            raise ValueError(
+                f"`fabric.clip_gradients(...)` is not supported by `{self.strategy_name}` with"
+                " `gradient_release=True`: each parameter is updated during the backward, before the norm over all"
+                " parameters exists. Remove the call, or leave gradient release off."
+            )
         self._max_norm = float(max_norm)
         return _internals.zero3_grad_norm(self._deepspeed_engine.optimizer)
 

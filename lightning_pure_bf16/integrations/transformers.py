@@ -33,6 +33,7 @@ import transformers
 from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16 import deepspeed as pure_bf16_deepspeed
 from lightning_pure_bf16.adoption import rebind_scheduler
+from lightning_pure_bf16.release import check_release_config
 
 WHO = "PureBF16Trainer"
 # The Trainer's optimizer choices that are AdamW (``TrainingArguments.optim``): converted to the pure-bf16 AdamW.
@@ -70,7 +71,7 @@ class PureBF16Trainer(transformers.Trainer):
             ``deepspeed`` set (:func:`deepspeed_config`, a dict or a JSON file); ``optim`` an AdamW
             (``"adamw_torch"``, the default, or ``"adamw_torch_fused"``). ``optimizers=(optimizer, scheduler)`` may
             give a torch ``AdamW``/``Adam`` or a ``lightning_pure_bf16.AdamW`` and a scheduler on it.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend: keyword options, as
+        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release: keyword options, as
             :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
 
     Raises:
@@ -82,6 +83,16 @@ class PureBF16Trainer(transformers.Trainer):
         self.pure_bf16_options = pure_bf16_deepspeed.take_options(WHO, kwargs)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _check_training_args(training_args)
+        if self.pure_bf16_options["gradient_release"]:
+            # The Trainer's own values, checked before anything is set up (its DeepSpeed config takes them as "auto").
+            check_release_config(
+                WHO,
+                {
+                    "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+                    "gradient_clipping": training_args.max_grad_norm,
+                },
+                state_storage=self.pure_bf16_options["state_storage"],
+            )
         super().__init__(*args, **kwargs)
         # The process group TrainingArguments created is destroyed at exit if still alive (else a finished run could
         # abort there, exit 134).

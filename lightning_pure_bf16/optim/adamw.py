@@ -468,15 +468,76 @@ class AdamW(Optimizer):
                 out["kahan_comp"] = comp.float()
         return {k: v.reshape(p.shape) for k, v in out.items()}
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
-        grad = p.grad
-        state = self.init_state(p, group)
-        state["step"] += 1
-        step = int(state["step"].item())
+    @torch.no_grad()
+    def update_slice(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, start: int) -> None:
+        """Apply elements ``[start, start + grad.numel())`` of the next step of the flat tensor ``p`` now, with
+        ``grad`` as their gradient (gradient release: each parameter's slice of a ZeRO-3 partition is updated as soon
+        as its gradient exists).
+
+        The step counter is not advanced: the slices of one step all take step ``state["step"] + 1`` and give the
+        bits of the whole update (the random bits belong to the element's index in ``p``); call
+        :meth:`advance_step` once the step is complete. ``p``'s state must exist (:meth:`init_states`), in memory.
+        With 8-bit moments the slice covers whole scale blocks: ``start`` is a multiple of ``QBLOCK`` and the slice
+        ends at one or at the end of ``p``.
+
+        Raises:
+            RuntimeError: no state yet, or states in files (streamed in order, not by slice).
+            ValueError: a slice outside ``p``, or one that cuts an 8-bit scale block.
+        """
+        name = type(self).__name__
+        state = self.state.get(p, {})
+        if "exp_avg" not in state:
+            raise RuntimeError(f"{name}.update_slice: the tensor has no state yet; call `init_states` first.")
+        if self._store is not None:
+            raise RuntimeError(
+                f"{name}.update_slice: states in files (`state_storage='mmap'`) are streamed through whole tensors in"
+                " order; they cannot be updated slice by slice."
+            )
+        end = start + grad.numel()
+        if start < 0 or end > p.numel():
+            raise ValueError(f"{name}.update_slice: elements [{start}, {end}) are outside a tensor of {p.numel()}.")
+        if self._int8_moments(p) and (start % quant.QBLOCK or (end % quant.QBLOCK and end != p.numel())):
+            raise ValueError(
+                f"{name}.update_slice: with 8-bit moments a slice covers whole blocks of {quant.QBLOCK} elements;"
+                f" [{start}, {end}) of {p.numel()} does not."
+            )
+        if end == start:
+            return
+        args = self._step_args(group, state, int(state["step"].item()) + 1)
+        flat = p.view(-1)[start:end]
+        grad = grad.reshape(-1)
+        pieces = {k: state[k].view(-1)[start:end] for k in _BUFFER_KEYS if k in state}
+        blocks = slice(start // quant.QBLOCK, -(-end // quant.QBLOCK))
+        scales = {k: state[k][blocks] for k in _SCALE_KEYS if k in state}
+        kahan_comp = pieces.get("kahan_comp") if group["rounding"] == "kahan" else None
+        update = self._update_function(self._pick_backend(flat, grad))
+        update(flat, grad, pieces["exp_avg"], pieces["exp_avg_sq"], kahan_comp, args, index_offset=start, **scales)
+
+    def advance_step(self, p: torch.Tensor) -> None:
+        """Count one completed step of ``p`` whose slices :meth:`update_slice` applied."""
+        self.state[p]["step"] += 1
+
+    @torch.no_grad()
+    def nonfinite(self, tensors: list[torch.Tensor]) -> list[bool]:
+        """For each tensor, whether it holds inf or NaN (one read each; one device synchronization in all)."""
+        found: list[bool | None] = []
+        flags = []
+        for t in tensors:
+            if self.backend in ("auto", "cpu") and can_use_fused_cpu(t, t) and fused_cpu_available():
+                found.append(any_nonfinite_cpu(t))
+            else:
+                found.append(None)
+                flags.append(torch.logical_not(torch.isfinite(t).all()).reshape(1))
+        if flags:
+            devices = {f.device for f in flags}
+            stacked = torch.cat([f.cpu() for f in flags] if len(devices) > 1 else flags).tolist()
+            rest = iter(stacked)
+            found = [next(rest) if f is None else f for f in found]
+        return [bool(f) for f in found]
+
+    def _step_args(self, group: dict[str, Any], state: dict[str, Any], step: int) -> UpdateArgs:
         beta1, beta2 = group["betas"]
-        rounding = group["rounding"]
-        kahan_comp = state.get("kahan_comp") if rounding == "kahan" else None
-        args = UpdateArgs(
+        return UpdateArgs(
             lr=float(group["lr"]),
             beta1=float(beta1),
             beta2=float(beta2),
@@ -484,15 +545,26 @@ class AdamW(Optimizer):
             weight_decay=float(group["weight_decay"]),
             decoupled=bool(group["decoupled_weight_decay"]),
             step=step,
-            rounding=rounding,
+            rounding=group["rounding"],
             keys=tuple(stream_key(self.seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
         )
+
+    def _update_function(self, backend: str) -> Callable[..., None]:
         if backend == "triton":
-            update: Callable[..., None] = _triton_update()
-        elif backend == "cpu":
-            update = adamw_update_cpu_
-        else:
-            update = partial(adamw_update_torch_, chunk_size=self.chunk_size)
+            return _triton_update()
+        if backend == "cpu":
+            return adamw_update_cpu_
+        return partial(adamw_update_torch_, chunk_size=self.chunk_size)
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
+        grad = p.grad
+        state = self.init_state(p, group)
+        state["step"] += 1
+        step = int(state["step"].item())
+        rounding = group["rounding"]
+        kahan_comp = state.get("kahan_comp") if rounding == "kahan" else None
+        args = self._step_args(group, state, step)
+        update = self._update_function(backend)
         if self._store is None:
             scales = {k: state[k] for k in _SCALE_KEYS if k in state}
             update(p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp, args, **scales)
@@ -537,8 +609,8 @@ class AdamW(Optimizer):
         if not p.is_contiguous():
             p.copy_(p_flat.view(p.shape))
 
-    def _pick_backend(self, p: torch.Tensor) -> str:
-        grad = p.grad
+    def _pick_backend(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> str:
+        grad = p.grad if grad is None else grad
         if grad.is_sparse:
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients (a parameter of shape {tuple(p.shape)} has"

@@ -20,10 +20,18 @@ from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
 
 def worker(rank: int, out: Path, opts: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(opts.get("world", 2)))
+    # Several runs one after the other in the same processes (each in its own folder), to share the start-up.
+    for run in opts.get("runs", [{}]):
+        if "name" in run:
+            (out / run["name"]).mkdir(parents=True, exist_ok=True)
+        one_run(rank, out / run.get("name", ""), {**opts, **run})
+
+
+def one_run(rank: int, out: Path, opts: dict) -> None:
     import lightning_pure_bf16.deepspeed as pure_bf16
 
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(opts.get("hidden", 64))
     config = {"train_micro_batch_size_per_gpu": 8, **opts.get("config", {})}
     kind = opts.get("optimizer", "torch_adamw")
     if opts.get("plain_deepspeed"):  # DeepSpeed's own initialize with bf16 mixed precision and this package's AdamW
@@ -60,7 +68,18 @@ def worker(rank: int, out: Path, opts: dict) -> None:
     state = {"step": 0}
     if opts.get("resume"):
         state.update(pure_bf16.load_checkpoint(engine, opts["resume"]))
-    losses, overflows = [], []
+    losses, overflows, snapshots = [], [], []
+    if opts.get("nan_element") is not None and rank == 0:
+        # One element of one parameter's local gradient is NaN on rank 0 at that step: after the reduce-scatter only
+        # the partition holding element 0 (rank 0's) is NaN.
+        def poison(g: torch.Tensor) -> torch.Tensor:
+            if state["step"] != opts["nan_element"]:
+                return g
+            g = g.clone()
+            g.view(-1)[0] = float("nan")
+            return g
+
+        engine.module.net[2].weight.register_hook(poison)
     while state["step"] < opts["steps"]:
         i = state["step"] % 4
         xb = x[i * 16 + rank * 8 : i * 16 + rank * 8 + 8].to(engine.device, torch.bfloat16)
@@ -69,8 +88,16 @@ def worker(rank: int, out: Path, opts: dict) -> None:
             xb = xb * float("nan")
         loss = (engine(xb).float() - yb).pow(2).mean()
         engine.backward(loss)
+        if opts.get("double_backward"):
+            try:
+                engine.backward((engine(xb).float() - yb).pow(2).mean())
+            except RuntimeError as err:
+                torch.save({"error": str(err)}, out / f"rank{rank}.pt")
+                return
         engine.step()
         overflows.append(opt.overflow)
+        if opts.get("snapshots"):
+            snapshots.append([t.detach().clone() for t in engine.optimizer.fp16_partitioned_groups_flat])
         losses.append(float(loss))
         state["step"] += 1
         if opts.get("save_at") == state["step"]:
@@ -81,6 +108,11 @@ def worker(rank: int, out: Path, opts: dict) -> None:
             "losses": losses,
             "save_path": opts.get("save_path"),
             "overflows": overflows,
+            "snapshots": snapshots,
+            "grad_norm": engine.get_global_grad_norm(),
+            "released_skipped": getattr(_release(engine), "skipped_elements", None),
+            "positions": _positions(engine),
+            "real": _real_elements(engine, rank),
             "flat_params": [t.detach().clone() for t in engine.optimizer.fp16_partitioned_groups_flat],
             "state": {
                 i: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
@@ -102,6 +134,34 @@ def worker(rank: int, out: Path, opts: dict) -> None:
         },
         out / f"rank{rank}.pt",
     )
+
+
+def _release(engine):  # noqa: ANN001, ANN202
+    from lightning_pure_bf16 import core
+
+    return core.gradient_release(engine)
+
+
+def _positions(engine):  # noqa: ANN001, ANN202
+    from lightning_pure_bf16 import _internals
+
+    names = {p.ds_id: n for n, p in engine.module.named_parameters()}
+    return {names[k]: v for k, v in _internals.zero3_param_positions(engine.optimizer).items()}
+
+
+def _real_elements(engine, rank):  # noqa: ANN001, ANN202
+    """Per flat partition, a mask of the elements that hold a parameter's values (not ZeRO-3's padding, which it
+    leaves uninitialized)."""
+    from lightning_pure_bf16 import _internals
+
+    flats = engine.optimizer.fp16_partitioned_groups_flat
+    masks = [torch.zeros(f.numel(), dtype=torch.bool) for f in flats]
+    positions = _internals.zero3_param_positions(engine.optimizer)
+    for p in engine.module.parameters():
+        sub_group, offset, numel = positions[p.ds_id]
+        real = max(0, min(numel, p.ds_numel - rank * numel))
+        masks[sub_group][offset : offset + real] = True
+    return masks
 
 
 if __name__ == "__main__":

@@ -1,0 +1,283 @@
+"""Gradient release (``gradient_release=True``): each parameter's partition is updated as soon as ZeRO-3 has
+reduce-scattered its gradient, and no gradient partition is kept. On 2 CPU processes: 6.00 / 4.03 B/param, the same bits
+as without release for every rounding and state format, checkpoints both ways, the per-partition inf/NaN rule, and the
+refusals. All runs share one launch of tests/scripts/ds_mlp.py (a 37-wide MLP: partitions that start anywhere inside
+8-bit scale blocks, padding, and a parameter with no element on rank 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.strategy_runs import load_ranks, run_script
+
+# rounding / state formats: the options of each pair of runs (with and without release).
+FORMATS = {
+    "stochastic": {},
+    "kahan": {"rounding": "kahan"},
+    "nearest": {"rounding": "nearest"},
+    "int8": {"moments": "int8"},
+    "int8_kahan": {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
+}
+# Clipping off in the runs without release too: DeepSpeed's default (1.0) is what release turns off.
+NO_CLIP = {"gradient_clipping": 0.0}
+# Every parameter partitioned (none kept whole on every rank) in the main pair; the format pairs keep DeepSpeed's
+# default threshold, under which all of this small model's parameters are kept whole (the other path).
+PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 0}, **NO_CLIP}
+
+
+def _runs(tmp_path) -> list[dict]:
+    runs = [
+        {
+            "name": "plain",
+            "steps": 6,
+            "save_at": 3,
+            "save_path": str(tmp_path / "plain" / "mid"),
+            "config": PARTITIONED,
+        },
+        {
+            "name": "release",
+            "steps": 6,
+            "save_at": 3,
+            "save_path": str(tmp_path / "release" / "mid"),
+            "config": PARTITIONED,
+            "options": {"gradient_release": True},
+        },
+        # A checkpoint written without release resumed with it, and back; and release to release.
+        {
+            "name": "release_from_plain",
+            "steps": 6,
+            "resume": str(tmp_path / "plain" / "mid"),
+            "config": PARTITIONED,
+            "options": {"gradient_release": True},
+        },
+        {"name": "plain_from_release", "steps": 6, "resume": str(tmp_path / "release" / "mid"), "config": PARTITIONED},
+        {
+            "name": "release_from_release",
+            "steps": 6,
+            "resume": str(tmp_path / "release" / "mid"),
+            "config": PARTITIONED,
+            "options": {"gradient_release": True},
+        },
+        # One element of one parameter's gradient is NaN on rank 0 at step 1.
+        {"name": "nan", "steps": 3, "nan_element": 1, "snapshots": True, "options": {"gradient_release": True}},
+        {"name": "twice", "steps": 1, "double_backward": True, "options": {"gradient_release": True}},
+    ]
+    for name, options in FORMATS.items():
+        if name == "stochastic":
+            continue  # the main pair
+        runs.append({"name": f"{name}_plain", "steps": 4, "config": NO_CLIP, "options": options})
+        runs.append({"name": f"{name}_release", "steps": 4, "options": {**options, "gradient_release": True}})
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("release")
+    run_script("ds_mlp.py", out, json.dumps({"hidden": 37, "runs": _runs(out)}))
+    return {run["name"]: load_ranks(out / run["name"]) for run in _runs(out)}
+
+
+def _same_bits(a: dict, b: dict) -> None:
+    """Weights (where they hold a parameter: ZeRO-3 leaves its padding uninitialized), both moments, the Kahan buffer
+    and the 8-bit scales, bit for bit."""
+    for x, y, real in zip(a["flat_params"], b["flat_params"], a["real"]):
+        assert torch.equal(x[real], y[real])
+    assert a["state"].keys() == b["state"].keys()
+    for sa, sb, real in zip(a["state"].values(), b["state"].values(), a["real"]):
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            x, y = sa[key].reshape(-1), sb[key].reshape(-1)
+            if x.numel() == real.numel():  # per element: the Kahan remainder of padding follows its garbage
+                x, y = x[real], y[real]
+            assert torch.equal(x, y), key
+
+
+def test_release_holds_6_bytes_per_param_by_the_report_and_by_a_walk_of_zero3s_buffers(runs):
+    for r in runs["release"]:
+        report = r["memory_report"]
+        assert report["total"] == pytest.approx(6.0, abs=0.01) and report["grad"] == 0
+        skip = (".ipg_buckets.", ".persistent_parameters.")  # the reduce bucket; whole copies of small parameters
+        walked = [b for n, _, b, f in r["zero_buffers"] if b > 16 and not any(k in n for k in skip) and not f]
+        assert sum(walked) / report["params_on_rank"] == pytest.approx(6.0, rel=0.01)
+    for r in runs["plain"]:
+        assert r["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+    for r in runs["int8_release"]:
+        assert r["memory_report"]["total"] == pytest.approx(2 + 2 * (1 + 2 / 128), abs=0.02)  # 4.03
+        assert r["memory_report"]["grad"] == 0
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_release_gives_the_same_bits_as_the_step(runs, fmt):
+    plain, release = ("plain", "release") if fmt == "stochastic" else (f"{fmt}_plain", f"{fmt}_release")
+    for a, b in zip(runs[plain], runs[release]):
+        assert a["losses"] == b["losses"]
+        _same_bits(a, b)
+        assert b["overflows"] == [False] * len(b["losses"])
+        assert float(a["grad_norm"]) == pytest.approx(b["grad_norm"], rel=1e-6)  # the engine's norm, as without
+
+
+def test_checkpoints_resume_bit_for_bit_with_release_on_and_across_it(runs):
+    for name in ("release_from_plain", "plain_from_release", "release_from_release"):
+        for whole, resumed in zip(runs["plain"], runs[name]):
+            assert resumed["losses"] == whole["losses"][3:], name
+            _same_bits(whole, resumed)
+
+
+def test_a_nonfinite_gradient_leaves_its_partition_as_it_was_and_the_rest_of_the_step_applies(runs):
+    before, after = 0, 1  # snapshots after steps 0 and 1 (the NaN step)
+    for rank, r in enumerate(runs["nan"]):
+        sub_group, offset, numel = r["positions"]["net.2.weight"]
+        flat_before, flat_after = r["snapshots"][before][sub_group], r["snapshots"][after][sub_group]
+        part = slice(offset, offset + numel)
+        if rank == 0:  # element 0 of net.2.weight is rank 0's: its whole partition was left as it was
+            assert torch.equal(flat_before[part], flat_after[part])
+        else:  # rank 1's partition of the same parameter had a finite gradient and was updated
+            assert not torch.equal(flat_before[part], flat_after[part])
+        rest = torch.ones(flat_after.numel(), dtype=torch.bool)
+        rest[part] = False
+        assert not torch.equal(flat_before[rest], flat_after[rest])  # the rest of the step applied
+        assert all(torch.isfinite(t[m].float()).all() for t, m in zip(r["flat_params"], r["real"]))
+        for state in r["state"].values():
+            assert all(torch.isfinite(v.float()).all() for k, v in state.items() if k != "step")
+        assert r["released_skipped"] == numel  # counted on every rank: rank 0's partition (no padding there)
+        assert r["engine_skipped_steps"] == 0 and r["overflows"] == [False, False, False]
+
+
+def test_a_second_backward_before_the_step_is_refused(runs):
+    for r in runs["twice"]:
+        assert "second backward ran before the optimizer step" in r["error"]
+
+
+# ------------------------------------------------------------------------------------------------ the optimizer
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_slices_of_a_step_applied_one_by_one_equal_the_step(fmt):
+    from lightning_pure_bf16 import AdamW
+
+    options = FORMATS[fmt]
+    # Slices that start anywhere; with 8-bit moments, at scale-block boundaries (or the end).
+    cuts = [0, 128, 384, 1000] if options.get("moments") == "int8" else [0, 1, 7, 300, 999, 1000]
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(1000, generator=gen).to(torch.bfloat16)
+    sliced = whole.clone()
+    a, b = AdamW([whole], lr=1e-2, seed=3, **options), AdamW([sliced], lr=1e-2, seed=3, **options)
+    b.init_states([(sliced, b.param_groups[0])])
+    for _ in range(3):
+        grad = torch.randn(1000, generator=gen).to(torch.bfloat16)
+        whole.grad = grad
+        a.step()
+        for lo, hi in zip(cuts, cuts[1:]):
+            b.update_slice(sliced, b.param_groups[0], grad[lo:hi], lo)
+        b.advance_step(sliced)
+    assert torch.equal(whole, sliced)
+    for key, value in a.state[whole].items():
+        other = b.state[sliced][key]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+
+
+def test_update_slice_refuses_what_it_cannot_do(tmp_path):
+    from lightning_pure_bf16 import AdamW
+
+    p = torch.zeros(300, dtype=torch.bfloat16)
+    opt = AdamW([p], moments="int8")
+    with pytest.raises(RuntimeError, match="call `init_states` first"):
+        opt.update_slice(p, opt.param_groups[0], torch.zeros(10, dtype=torch.bfloat16), 0)
+    opt.init_states([(p, opt.param_groups[0])])
+    with pytest.raises(ValueError, match="whole blocks of 128"):
+        opt.update_slice(p, opt.param_groups[0], torch.zeros(10, dtype=torch.bfloat16), 0)
+    with pytest.raises(ValueError, match="outside a tensor of 300"):
+        opt.update_slice(p, opt.param_groups[0], torch.zeros(256, dtype=torch.bfloat16), 128)
+    q = torch.zeros(300, dtype=torch.bfloat16)
+    files = AdamW([q], state_storage="mmap", state_dir=tmp_path)
+    files.init_states([(q, files.param_groups[0])])
+    with pytest.raises(RuntimeError, match="cannot be updated slice by slice"):
+        files.update_slice(q, files.param_groups[0], torch.zeros(10, dtype=torch.bfloat16), 0)
+    files.close()
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"gradient_accumulation_steps": 2}, "cannot accumulate gradients over 2 micro-batches"),
+        ({"gradient_clipping": 1.0}, "cannot clip to a global norm"),
+    ],
+)
+def test_accumulation_and_clipping_are_refused_before_anything_is_set_up(config, match):
+    import torch.distributed as dist
+
+    import lightning_pure_bf16.deepspeed as pure_bf16
+    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+
+    with pytest.raises(ValueError, match=match):
+        pure_bf16.initialize(
+            model=torch.nn.Linear(4, 4),
+            config={"train_micro_batch_size_per_gpu": 1, **config},
+            gradient_release=True,
+        )
+    assert not dist.is_initialized()
+    # The Lightning strategy checks the config Lightning completes (accumulate_grad_batches, gradient_clip_val) with
+    # the same function before its engine is made.
+    strategy = DeepSpeedPureBF16Strategy(gradient_release=True)
+    with pytest.raises(ValueError, match=match):
+        strategy.settings.check_engine_config({**strategy.config, **config})
+
+
+def test_states_in_files_are_refused_with_the_same_words_by_every_front_end(tmp_path):
+    import lightning_pure_bf16.deepspeed as pure_bf16
+    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
+    from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
+
+    option = {"gradient_release": True, "state_storage": "mmap", "state_dir": str(tmp_path)}
+    messages = {}
+    for cls in (DeepSpeedPureBF16Strategy, DeepSpeedPureBF16FabricStrategy):
+        with pytest.raises(ValueError) as err:
+            cls(**option)
+        messages[cls.__name__] = str(err.value)
+    with pytest.raises(ValueError) as err:
+        pure_bf16.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1}, **option)
+    messages[pure_bf16.WHO] = str(err.value)
+    assert len({m.replace(who, "X") for who, m in messages.items()}) == 1, messages
+    assert "streamed through whole partitions" in messages[pure_bf16.WHO]
+
+
+def test_fabric_clip_gradients_is_refused_with_release():
+    from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
+
+    strategy = DeepSpeedPureBF16FabricStrategy(gradient_release=True)
+    with pytest.raises(ValueError, match="before the norm over all parameters exists"):
+        strategy.clip_gradients_norm(None, None, max_norm=1.0)
+
+
+def test_the_hf_trainer_refuses_its_default_clipping_with_release(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from lightning_pure_bf16.integrations.transformers import PureBF16Trainer, deepspeed_config
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, bf16=True, deepspeed=deepspeed_config(), report_to=[])
+    with pytest.raises(ValueError, match=r"max_grad_norm=0"):
+        PureBF16Trainer(model=torch.nn.Linear(2, 2), args=args, gradient_release=True)
+    args = TrainingArguments(
+        str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        deepspeed=deepspeed_config(),
+        report_to=[],
+        max_grad_norm=0.0,
+        gradient_accumulation_steps=4,
+    )
+    with pytest.raises(ValueError, match="over 4 micro-batches"):
+        PureBF16Trainer(model=torch.nn.Linear(2, 2), args=args, gradient_release=True)
+
+
+def test_the_presets_are_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, expected in (
+        ("deepspeed_pure_bf16_release", {"gradient_release": True}),
+        ("deepspeed_pure_bf16_int8_release", {"moments": "int8", "gradient_release": True}),
+    ):
+        assert StrategyRegistry[name]["init_params"] == expected
