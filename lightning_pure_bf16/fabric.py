@@ -132,6 +132,9 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             gradient_release=gradient_release,
         )
         self.config = self.settings.deepspeed_config(self.config)
+        # Fabric clips when `fabric.clip_gradients` asks: without this, DeepSpeed's default (clip to norm 1.0) would
+        # apply to every step before the first such call (and not after it).
+        self.config.setdefault("gradient_clipping", 0.0)
         self._backward_sync_control = _EveryBackwardReduces()
         self._skips = core.SkipCounter()
         self._peak_meter: core.PeakMeter | None = None

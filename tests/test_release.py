@@ -151,6 +151,38 @@ def test_a_second_backward_before_the_step_is_refused(runs):
         assert "second backward ran before the optimizer step" in r["error"]
 
 
+# ---------------------------------------------------------------------------------------------- Trainer, Fabric
+@pytest.fixture(scope="module")
+def front_end_runs(tmp_path_factory):
+    from tests.strategy_runs import fit
+    from tests.test_fabric import fabric_run
+
+    out = {name: tmp_path_factory.mktemp(name) for name in ("fit", "fit_release", "fabric", "fabric_release")}
+    fit(out["fit"], steps=4, strategy="deepspeed_pure_bf16_int8")
+    fit(out["fit_release"], steps=4, strategy="deepspeed_pure_bf16_int8_release")
+    fabric_run(out["fabric"], steps=4, strategy={"moments": "int8"})
+    fabric_run(out["fabric_release"], steps=4, strategy="deepspeed_pure_bf16_int8_release")
+    return {name: load_ranks(path) for name, path in out.items()}
+
+
+def test_the_trainer_and_fabric_presets_train_at_4_bytes_per_param_with_the_steps_bits(front_end_runs):
+    for plain, release in (("fit", "fit_release"), ("fabric", "fabric_release")):
+        for a, b in zip(front_end_runs[plain], front_end_runs[release]):
+            assert b["memory_report"]["total"] == pytest.approx(2 + 2 * (1 + 2 / 128), abs=0.02)
+            assert a["losses"] == b["losses"]
+            masks = a.get("real_masks", [torch.ones(t.numel(), dtype=torch.bool) for t in a["flat_params"]])
+            for x, y, real in zip(a["flat_params"], b["flat_params"], masks):
+                assert torch.equal(x[real], y[real])
+
+
+def test_the_trainer_refuses_accumulation_with_release(tmp_path):
+    from tests.strategy_runs import fit
+
+    proc = fit(tmp_path, check=False, steps=2, accumulate=2, strategy="deepspeed_pure_bf16_release")
+    assert proc.returncode != 0
+    assert "cannot accumulate gradients over 2 micro-batches" in proc.stderr + proc.stdout
+
+
 # ------------------------------------------------------------------------------------------------ the optimizer
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_slices_of_a_step_applied_one_by_one_equal_the_step(fmt):
