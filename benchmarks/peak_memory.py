@@ -14,6 +14,7 @@ over both ranks.
     python benchmarks/peak_memory.py              # d = 1024, 2048, 4096 (8.4M, 34M, 134M parameters)
     python benchmarks/peak_memory.py --quick      # d = 512, 1024
     python benchmarks/peak_memory.py --arms stochastic int8 --sizes 1024 2048
+    python benchmarks/peak_memory.py --arms stochastic release int8 int8_release --sizes 1024 4096 --name peak_memory_release
     python benchmarks/peak_memory.py --config '{"zero_optimization": {"stage3_max_reuse_distance": 0}}'
 
 ``--config`` is merged into every arm's DeepSpeed config (ZeRO-3's caches of gathered parameters, for example).
@@ -43,6 +44,9 @@ ARMS = {
     "kahan": {"rounding": "kahan"},
     "int8": {"moments": "int8"},
     "mmap": {"state_storage": "mmap"},
+    # Gradient release: no gradient partition; each partition updated as its gradient is reduce-scattered.
+    "release": {"gradient_release": True},
+    "int8_release": {"moments": "int8", "gradient_release": True},
 }
 LAYERS, BATCH, STEPS = 8, 4, 4
 
