@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The correctness half of a GPU run (under 5 minutes on one CUDA GPU): the GPU-marked tests only (the Triton kernel on
 # CUDA against the PyTorch path, the Trainer and Fabric strategies, the plain-DeepSpeed front end, the Hugging Face
-# Trainer and Accelerate on one GPU, with in-memory and file-backed states).
+# Trainer and Accelerate on one GPU, with in-memory and file-backed states, gradient release against the step).
 # Nothing here builds the C++ CPU loop. Run it before benchmarks/gpu_performance.sh; results and logs in $OUT/gpu (or
 # benchmarks/results/gpu).
 source "$(dirname "$0")/_gpu_common.sh"

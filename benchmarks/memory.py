@@ -35,6 +35,10 @@ CONFIGS = (
     "pure_bf16_int8_kahan",
     "pure_bf16_mmap",
     "pure_bf16_kahan_mmap",
+    "pure_bf16_release",
+    "pure_bf16_kahan_release",
+    "pure_bf16_int8_release",
+    "pure_bf16_int8_kahan_release",
     "deepspeed_bf16_master",
     "deepspeed_bf16_mixed",
 )
@@ -45,6 +49,10 @@ LABELS = {
     "pure_bf16_int8_kahan": "this strategy, 8-bit moments, 8-bit Kahan remainder",
     "pure_bf16_mmap": "this strategy, stochastic rounding, states in mmap files",
     "pure_bf16_kahan_mmap": "this strategy, Kahan, states in mmap files",
+    "pure_bf16_release": "this strategy, stochastic rounding, gradient release",
+    "pure_bf16_kahan_release": "this strategy, Kahan, gradient release",
+    "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
+    "pure_bf16_int8_kahan_release": "this strategy, 8-bit moments, 8-bit Kahan remainder, gradient release",
     "deepspeed_bf16_master": "DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 (fp32 masters and moments)",
 }
@@ -110,6 +118,8 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
     base = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": dict(ZERO), "zero_allow_untested_optimizer": True}
     if name.startswith("pure_bf16"):
         config = pure_bf16_deepspeed_config(base)
+        if name.endswith("_release"):
+            config["gradient_clipping"] = 0.0  # release refuses clipping (DeepSpeed's default is 1.0)
         rounding = "kahan" if "kahan" in name else "stochastic"
         os.makedirs(state_dir, exist_ok=True)
         storage = {"state_storage": "mmap", "state_dir": state_dir} if name.endswith("mmap") else {}
@@ -139,6 +149,10 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
         )
     if name.startswith("pure_bf16"):
         init_zero3_optimizer_state(engine.optimizer)
+    if name.endswith("_release"):
+        from lightning_pure_bf16.release import GradientRelease
+
+        GradientRelease(engine.optimizer, name)
     dev = engine.device
     for _ in range(2):
         x = torch.randn(8, 64, device=dev, dtype=torch.bfloat16)

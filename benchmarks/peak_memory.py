@@ -14,7 +14,8 @@ over both ranks.
     python benchmarks/peak_memory.py              # d = 1024, 2048, 4096 (8.4M, 34M, 134M parameters)
     python benchmarks/peak_memory.py --quick      # d = 512, 1024
     python benchmarks/peak_memory.py --arms stochastic int8 --sizes 1024 2048
-    python benchmarks/peak_memory.py --arms stochastic release int8 int8_release --sizes 1024 4096 --name peak_memory_release
+    python benchmarks/peak_memory.py --arms stochastic release int8 int8_release --sizes 1024 4096 \
+        --name peak_memory_release
     python benchmarks/peak_memory.py --config '{"zero_optimization": {"stage3_max_reuse_distance": 0}}'
 
 ``--config`` is merged into every arm's DeepSpeed config (ZeRO-3's caches of gathered parameters, for example).

@@ -30,6 +30,11 @@ MODEL_STATE_BYTES: dict[str, dict[str, float]] = {
         "exp_avg_sq": 1 + 2 / 128,
         "kahan_comp": 1,
     },
+    # gradient_release=True: no gradient partition (each partition is applied as its gradient is reduce-scattered).
+    "pure_bf16_release": {"param": 2, "exp_avg": 2, "exp_avg_sq": 2},
+    "pure_bf16_kahan_release": {"param": 2, "exp_avg": 2, "exp_avg_sq": 2, "kahan_comp": 2},
+    "pure_bf16_int8_release": {"param": 2, "exp_avg": 1 + 2 / 128, "exp_avg_sq": 1 + 2 / 128},
+    "pure_bf16_int8_kahan_release": {"param": 2, "exp_avg": 1 + 2 / 128, "exp_avg_sq": 1 + 2 / 128, "kahan_comp": 1},
     # bf16_master_weights_and_grads + bf16_optimizer_states: a second bf16 copy as master.
     "deepspeed_bf16_master": {"param": 2, "grad": 2, "master": 2, "exp_avg": 2, "exp_avg_sq": 2},
     # DeepSpeed's bf16 default: fp32 master weights and fp32 moments.
@@ -111,7 +116,7 @@ def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
     params = zero3_param_partitions(zero_optimizer)
     found["param"] = {str(t.dtype).removeprefix("torch.") for t in params}
     grad = zero3_grad_partition_buffer(zero_optimizer)
-    if grad is not None:
+    if grad is not None and grad.numel():  # empty under gradient release
         found["grad"] = {str(grad.dtype).removeprefix("torch.")}
     ptrs = {t.data_ptr() for t in params}
     found["master"] = {

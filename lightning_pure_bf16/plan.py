@@ -42,6 +42,10 @@ STEP_TRANSIENT_BYTES = {
     "pure_bf16_int8_kahan": 0.0,
     "pure_bf16_mmap": 0.0,
     "pure_bf16_kahan_mmap": 0.0,
+    "pure_bf16_release": 0.0,
+    "pure_bf16_kahan_release": 0.0,
+    "pure_bf16_int8_release": 0.0,
+    "pure_bf16_int8_kahan_release": 0.0,
     "deepspeed_bf16_master": 1.88,
     "deepspeed_bf16_mixed": 6.0,
 }
@@ -59,6 +63,10 @@ LABELS = {
     "pure_bf16_int8_kahan": "this strategy, 8-bit moments + 8-bit Kahan",
     "pure_bf16_mmap": "this strategy (stochastic), states in mmap files",
     "pure_bf16_kahan_mmap": "this strategy (Kahan), states in mmap files",
+    "pure_bf16_release": "this strategy (stochastic), gradient release",
+    "pure_bf16_kahan_release": "this strategy (Kahan), gradient release",
+    "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
+    "pure_bf16_int8_kahan_release": "this strategy, 8-bit moments + 8-bit Kahan, gradient release",
     "deepspeed_bf16_master": "DeepSpeed bf16 masters (bf16_master_weights_and_grads)",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 mixed (fp32 masters and moments)",
 }
