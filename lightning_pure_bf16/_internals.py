@@ -605,7 +605,7 @@ def zero3_param_positions(zero_optimizer: Any) -> dict[int, tuple[int, int, int]
 
 def release_gradient_partitions(
     zero_optimizer: Any, apply: Callable[[list[Any], list[torch.Tensor], list[bool]], None]
-) -> None:
+) -> Callable[[], torch.Tensor | None]:
     """Hand each reduce-scattered bucket to ``apply(params, grad_partitions, has_data)`` instead of copying it into
     ZeRO-3's flat gradient partition, and free that partition (gradient release).
 
@@ -613,6 +613,7 @@ def release_gradient_partitions(
     ``apply`` runs ordered after the reduce-scatter. ``has_data``: whether this rank's partition of the parameter
     holds any of its elements (DeepSpeed's own test). The flat buffer becomes empty, and the per-parameter views of it
     (read by the end-of-backward epilogue) point at that empty tensor. Replaced on this optimizer instance only.
+    Returns a weak reference to the freed buffer: dead once nothing else holds it.
 
     Raises:
         RuntimeError: a second backward before the step (``micro_step_id`` past 0): its gradients would be a second
@@ -644,9 +645,12 @@ def release_gradient_partitions(
 
     zero_optimizer.partition_grads = partition_grads
     empty = buffer.new_empty(0) if buffer is not None else torch.empty(0)
+    freed = ref(buffer) if buffer is not None else (lambda: None)
     zero_optimizer.grad_partitions_flat_buffer = empty
     for key in views:
         views[key] = empty
+    del buffer
+    return freed
 
 
 def step_without_update(zero_optimizer: Any, finish: Callable[[], float]) -> None:

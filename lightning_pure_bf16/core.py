@@ -347,10 +347,13 @@ def after_engine_setup(
         A meter of the peak memory from now on (see :func:`peak_memory`).
     """
     init_zero3_optimizer_state(engine.optimizer)
-    _internals.view_sub_group_gradients(engine.optimizer)
-    _internals.gradient_norm_in_pieces(engine.optimizer)
     if gradient_release:
+        # ZeRO-3's step then updates nothing: the step's gradient views and norm are not installed (they would keep
+        # a reference to the gradient partition that release frees).
         _RELEASES[engine.optimizer] = GradientRelease(engine.optimizer, strategy_name)
+    else:
+        _internals.view_sub_group_gradients(engine.optimizer)
+        _internals.gradient_norm_in_pieces(engine.optimizer)
     optimizer = inner_optimizer(engine)
     report = memory_report(engine)
     rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))

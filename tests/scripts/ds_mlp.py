@@ -111,6 +111,7 @@ def one_run(rank: int, out: Path, opts: dict) -> None:
             "snapshots": snapshots,
             "grad_norm": engine.get_global_grad_norm(),
             "released_skipped": getattr(_release(engine), "skipped_elements", None),
+            "gradient_partition_freed": getattr(_release(engine), "gradient_partition_freed", None),
             "positions": _positions(engine),
             "real": _real_elements(engine, rank),
             "flat_params": [t.detach().clone() for t in engine.optimizer.fp16_partitioned_groups_flat],
