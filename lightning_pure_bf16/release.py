@@ -41,7 +41,8 @@ def check_release_config(who: str, config: dict[str, Any], *, state_storage: str
         raise ValueError(
             f"`{who}(gradient_release=True)` updates each parameter during the backward, so it cannot accumulate"
             f" gradients over {accumulation} micro-batches (`gradient_accumulation_steps` in the DeepSpeed config, set"
-            " by `Trainer(accumulate_grad_batches=...)` or `TrainingArguments(gradient_accumulation_steps=...)`)."
+            " by `Trainer(accumulate_grad_batches=...)`, `TrainingArguments(gradient_accumulation_steps=...)` or"
+            " `DeepSpeedPlugin(gradient_accumulation_steps=...)`)."
             " Use a larger micro-batch, or leave gradient release off."
         )
     clipping = config.get("gradient_clipping", 0.0)
@@ -49,8 +50,9 @@ def check_release_config(who: str, config: dict[str, Any], *, state_storage: str
         raise ValueError(
             f"`{who}(gradient_release=True)` updates each parameter before the gradient norm over all parameters"
             f" exists, so it cannot clip to a global norm (`gradient_clipping={clipping}` in the DeepSpeed config, set"
-            " by `Trainer(gradient_clip_val=...)` or `TrainingArguments(max_grad_norm=...)`). Turn clipping off"
-            " (`gradient_clip_val=None`, `max_grad_norm=0`), or leave gradient release off."
+            " by `Trainer(gradient_clip_val=...)`, `TrainingArguments(max_grad_norm=...)` or"
+            " `DeepSpeedPlugin(gradient_clipping=...)`). Turn clipping off (`gradient_clip_val=None`,"
+            " `max_grad_norm=0`, `gradient_clipping=0`), or leave gradient release off."
         )
     if state_storage != "memory":
         raise ValueError(

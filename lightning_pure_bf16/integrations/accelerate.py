@@ -40,9 +40,10 @@ class PureBF16Accelerator(accelerate.Accelerator):
 
     Args:
         *args, **kwargs: as ``accelerate.Accelerator``. ``mixed_precision`` must be ``"bf16"`` or left out;
-            ``deepspeed_plugin`` defaults to ``DeepSpeedPlugin(zero_stage=3)``; ``cpu=True`` (or no CUDA device)
+            ``deepspeed_plugin`` defaults to ``DeepSpeedPlugin(zero_stage=3)`` (with ``gradient_clipping=0.0`` under
+            gradient release); ``cpu=True`` (or no CUDA device)
             runs DeepSpeed on the CPU over gloo.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend: keyword options, as
+        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release: keyword options, as
             :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
 
     Raises:
@@ -65,7 +66,10 @@ class PureBF16Accelerator(accelerate.Accelerator):
         launched_with_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
         if kwargs.get("deepspeed_plugin") is None and kwargs.get("deepspeed_plugins") is None:
             if not launched_with_deepspeed:
-                kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=3)
+                # With gradient release, no clipping in the plugin this class makes (release refuses it; Accelerate's
+                # default plugin would clip to 1.0).
+                clip = {"gradient_clipping": 0.0} if options["gradient_release"] else {}
+                kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=3, **clip)
         super().__init__(*args, **kwargs)
         # The process group Accelerate created is destroyed at exit if still alive (else a finished run could abort
         # there, exit 134).

@@ -82,7 +82,7 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
         weight_decay=0.1,
         warmup_steps=2,
         lr_scheduler_type="cosine",
-        max_grad_norm=1.0,
+        max_grad_norm=opts.get("max_grad_norm", 1.0),
         max_steps=opts["steps"],
         logging_steps=1,
         save_steps=opts.get("save_steps", 1000),
