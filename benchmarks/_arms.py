@@ -5,9 +5,10 @@ Arms (the ``ARMS`` keys):
 - ``ds_bf16_mixed``: DeepSpeed ZeRO-3 with bf16 mixed precision (fp32 master weights and moments, torch AdamW), what
   Lightning's ``DeepSpeedStrategy(stage=3)`` with ``precision="bf16-mixed"`` runs;
 - ``ds_bf16_flags``: the same with DeepSpeed's own ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``;
-- ``pure_bf16``, ``pure_bf16_kahan``, ``pure_bf16_int8``, ``pure_bf16_int8_kahan``, ``pure_bf16_mmap``: this
-  package's Fabric strategy (stochastic rounding, Kahan, 8-bit moments, 8-bit moments with an 8-bit Kahan remainder,
-  optimizer states in memory-mapped files);
+- ``pure_bf16``, ``pure_bf16_kahan``, ``pure_bf16_int8``, ``pure_bf16_int8_kahan``, ``pure_bf16_mmap``,
+  ``pure_bf16_release``, ``pure_bf16_int8_release``: this package's Fabric strategy (stochastic rounding, Kahan,
+  8-bit moments, 8-bit moments with an 8-bit Kahan remainder, optimizer states in memory-mapped files, gradient
+  release with bf16 or 8-bit moments);
 - ``fsdp2_bf16``: PyTorch FSDP2 (``fully_shard``, what Lightning's ``ModelParallelStrategy`` wraps) with bf16
   parameters and torch AdamW (bf16 states, round to nearest);
 - ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``.
@@ -46,6 +47,8 @@ ARMS = {
     "pure_bf16_int8": "this strategy, 8-bit moments",
     "pure_bf16_int8_kahan": "this strategy, 8-bit moments + 8-bit Kahan",
     "pure_bf16_mmap": "this strategy, states in memory-mapped files",
+    "pure_bf16_release": "this strategy, gradient release",
+    "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
     "fsdp2_bf16": "FSDP2 bf16 parameters, torch AdamW (bf16 states, nearest)",
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
 }
@@ -55,6 +58,8 @@ OURS = {
     "pure_bf16_int8": {"moments": "int8"},
     "pure_bf16_int8_kahan": {"rounding": "kahan", "moments": "int8", "compensation": "int8"},
     "pure_bf16_mmap": {"state_storage": "mmap"},
+    "pure_bf16_release": {"gradient_release": True},
+    "pure_bf16_int8_release": {"moments": "int8", "gradient_release": True},
 }
 REFERENCE = "ds_bf16_mixed"
 

@@ -159,6 +159,8 @@ PLANNER_CONFIG = {
     "pure_bf16_int8": "pure_bf16_int8",
     "pure_bf16_int8_kahan": "pure_bf16_int8_kahan",
     "pure_bf16_mmap": "pure_bf16_mmap",
+    "pure_bf16_release": "pure_bf16_release",
+    "pure_bf16_int8_release": "pure_bf16_int8_release",
 }
 
 
