@@ -6,6 +6,7 @@ printing the validation loss, the training throughput and the measured model-sta
     python examples/train_gpt.py                        # the defaults below
     python examples/train_gpt.py --rounding kahan --max-steps 500
     python examples/train_gpt.py --state-dir /local/nvme/tmp     # optimizer states in memory-mapped files
+    python examples/train_gpt.py --gradient-release     # each partition updated as its gradient arrives (6 B/param)
     python examples/train_gpt.py --ckpt-dir ckpts --ckpt-every 100     # checkpoints; then, on any number of devices:
     python examples/train_gpt.py --ckpt-dir ckpts --resume ckpts/last.ckpt
 """
@@ -24,6 +25,7 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     parser = job_arguments(__doc__.splitlines()[0])
     parser.add_argument("--state-dir", default=None, help="keep the optimizer states in memory-mapped files there")
+    parser.add_argument("--gradient-release", action="store_true", help="update each partition as its gradient arrives")
     args = parser.parse_args()
 
     seed_everything(args.seed)
@@ -50,6 +52,7 @@ def main() -> None:
             rounding=args.rounding,
             state_storage="mmap" if args.state_dir else "memory",
             state_dir=args.state_dir,
+            gradient_release=args.gradient_release,
         ),
         plugins=[PureBF16Precision(cpu_matmul=args.cpu_matmul)],
         max_steps=args.max_steps,
