@@ -101,17 +101,17 @@ class GradientRelease:
     @torch.no_grad()
     def apply(self, params: list[Any], grad_partitions: list[torch.Tensor], has_data: list[bool]) -> None:
         """Update the partitions of one reduce-scattered bucket (on the stream DeepSpeed reduced it on)."""
+        if any(p.ds_id in self._seen for p in params):  # checked before any of this bucket is applied
+            raise RuntimeError(
+                f"{self.strategy_name}(gradient_release=True): a parameter's gradient was reduced twice in one step (a"
+                " backward through it more than once, as reentrant activation checkpointing of shared weights does);"
+                " its first gradient is already applied. Leave gradient release off for this model."
+            )
+        self._seen.update(p.ds_id for p in params)
         real = [(p, g) for p, g, d in zip(params, grad_partitions, has_data) if d]
         bad = self.optimizer.nonfinite([g for _, g in real])
         nonfinite = {p.ds_id for (p, _), b in zip(real, bad) if b}
         for param, grad, data in zip(params, grad_partitions, has_data):
-            if param.ds_id in self._seen:
-                raise RuntimeError(
-                    f"{self.strategy_name}(gradient_release=True): a parameter's gradient was reduced twice in one"
-                    " step (a backward through it more than once, as reentrant activation checkpointing of shared"
-                    " weights does); its first gradient is already applied. Leave gradient release off for this model."
-                )
-            self._seen.add(param.ds_id)
             sub_group, offset, numel = self.positions[param.ds_id]
             grad = grad.reshape(-1)[:numel] if data else grad.new_zeros(0)
             poisoned = param.ds_id in nonfinite
