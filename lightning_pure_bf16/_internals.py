@@ -564,15 +564,22 @@ def zero3_set_clip(zero_optimizer: Any, max_norm: float) -> None:
     zero_optimizer.clip_grad = max_norm
 
 
+def squared_norm_in_pieces(t: torch.Tensor) -> torch.Tensor:
+    """The squared 2-norm of ``t`` (float64, on its device), summed from pieces of :data:`NORM_PIECE` elements: no
+    full-size float64 temporary."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for piece in t.reshape(-1).split(NORM_PIECE):
+        total += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
+    return total
+
+
 def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
     """The 2-norm of the gradient over every rank's partition (float32), as ZeRO-3 computes it for clipping: summed
     in float64 from pieces of :data:`NORM_PIECE` elements (no full-size temporary)."""
     import torch.distributed as dist
 
     grads = zero3_grad_partition_buffer(zero_optimizer)
-    total = torch.zeros((), dtype=torch.float64, device=grads.device if grads is not None else None)
-    for piece in grads.split(NORM_PIECE) if grads is not None else ():
-        total += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
+    total = squared_norm_in_pieces(grads) if grads is not None else torch.zeros((), dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
     return total.sqrt().float()

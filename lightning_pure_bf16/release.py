@@ -25,9 +25,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.optim import quant
 
-# Elements per piece of the squared gradient norm (a float64 temporary of at most 32 MiB).
-NORM_PIECE = _internals.NORM_PIECE
-
 
 def check_release_config(who: str, config: dict[str, Any], *, state_storage: str) -> None:
     """Refuse what gradient release cannot do exactly, before anything is set up.
@@ -116,8 +113,7 @@ class GradientRelease:
             grad = grad.reshape(-1)[:numel] if data else grad.new_zeros(0)
             poisoned = param.ds_id in nonfinite
             if not poisoned:
-                for piece in grad.split(NORM_PIECE):
-                    self._sum_sq += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
+                self._sum_sq += _internals.squared_norm_in_pieces(grad)
             self._apply_range(sub_group, offset, numel, grad, poisoned)
 
     def _apply_range(self, sub_group: int, offset: int, numel: int, grad: torch.Tensor, poisoned: bool) -> None:

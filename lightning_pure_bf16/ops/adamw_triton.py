@@ -348,16 +348,22 @@ def adamw_update_triton_(
     end = rng.next_high_word(index_offset) - index_offset
     if end < n:
         # The index's high word changes inside the piece: one launch on each side (2**32 is a multiple of QBLOCK).
-        first = {"exp_avg_scale": None, "exp_avg_sq_scale": None}
-        second = dict(first)
-        if q8m:
-            cut = end // quant.QBLOCK
-            first = {"exp_avg_scale": exp_avg_scale[:cut], "exp_avg_sq_scale": exp_avg_sq_scale[:cut]}
-            second = {"exp_avg_scale": exp_avg_scale[cut:], "exp_avg_sq_scale": exp_avg_sq_scale[cut:]}
-        head = [t[:end] if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, kahan_comp)]
-        tail = [t[end:] if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, kahan_comp)]
-        adamw_update_triton_(*head, args, index_offset=index_offset, **first)
-        adamw_update_triton_(*tail, args, index_offset=index_offset + end, **second)
+        cut = end // quant.QBLOCK
+
+        def part(t: torch.Tensor | None, where: slice) -> torch.Tensor | None:
+            return t[where] if t is not None else None
+
+        for where, blocks, offset in (
+            (slice(end), slice(cut), index_offset),
+            (slice(end, n), slice(cut, None), index_offset + end),
+        ):
+            adamw_update_triton_(
+                *(part(t, where) for t in (param, grad, exp_avg, exp_avg_sq, kahan_comp)),
+                args,
+                index_offset=offset,
+                exp_avg_scale=part(exp_avg_scale, blocks),
+                exp_avg_sq_scale=part(exp_avg_sq_scale, blocks),
+            )
         return
     grid = (triton.cdiv(n, BLOCK_SIZE),)
     # Launch on the parameter's GPU, not the current one (a multi-GPU process may have another one current).

@@ -292,25 +292,23 @@ class AdamW(Optimizer):
     @torch.no_grad()
     def nonfinite_grads(self) -> torch.Tensor:
         """A 0-dim float32 tensor: 1.0 if any gradient of this optimizer holds inf or NaN, else 0.0 (one reduction)."""
-        flags = []
-        cpu_found = False
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if self.backend in ("auto", "cpu") and can_use_fused_cpu(p, p.grad) and fused_cpu_available():
-                    # One read-only pass; torch's isfinite on bf16 CPU tensors costs more than the update itself.
-                    cpu_found = cpu_found or any_nonfinite_cpu(p.grad)
-                else:
-                    flags.append(torch.logical_not(torch.isfinite(p.grad).all()).to(torch.float32).reshape(1))
-        if cpu_found:
+        found = [self._nonfinite(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if any(f is True for f in found):
             return torch.ones((), dtype=torch.float32)
+        flags = [f.to(torch.float32) for f in found if isinstance(f, torch.Tensor)]
         if not flags:
             return torch.zeros((), dtype=torch.float32)
         devices = {f.device for f in flags}
         if len(devices) > 1:
             flags = [f.cpu() for f in flags]
         return torch.cat(flags).amax()
+
+    def _nonfinite(self, t: torch.Tensor) -> bool | torch.Tensor:
+        """Whether ``t`` holds inf or NaN: a bool from the fused CPU loop's read-only pass (torch's isfinite on bf16 CPU
+        tensors costs more than the update itself), else a 1-element bool tensor on ``t``'s device (no sync)."""
+        if self.backend in ("auto", "cpu") and can_use_fused_cpu(t, t) and fused_cpu_available():
+            return any_nonfinite_cpu(t)
+        return torch.logical_not(torch.isfinite(t).all()).reshape(1)
 
     def record_skipped_step(self) -> None:
         """Count a step that a caller skipped because of non-finite gradients (nothing else changes)."""
@@ -520,19 +518,11 @@ class AdamW(Optimizer):
     @torch.no_grad()
     def nonfinite(self, tensors: list[torch.Tensor]) -> list[bool]:
         """For each tensor, whether it holds inf or NaN (one read each; one device synchronization in all)."""
-        found: list[bool | None] = []
-        flags = []
-        for t in tensors:
-            if self.backend in ("auto", "cpu") and can_use_fused_cpu(t, t) and fused_cpu_available():
-                found.append(any_nonfinite_cpu(t))
-            else:
-                found.append(None)
-                flags.append(torch.logical_not(torch.isfinite(t).all()).reshape(1))
+        found = [self._nonfinite(t) for t in tensors]
+        flags = [f for f in found if isinstance(f, torch.Tensor)]
         if flags:
-            devices = {f.device for f in flags}
-            stacked = torch.cat([f.cpu() for f in flags] if len(devices) > 1 else flags).tolist()
-            rest = iter(stacked)
-            found = [next(rest) if f is None else f for f in found]
+            rest = iter(torch.cat([f.cpu() for f in flags] if len({f.device for f in flags}) > 1 else flags).tolist())
+            found = [next(rest) if isinstance(f, torch.Tensor) else f for f in found]
         return [bool(f) for f in found]
 
     def _step_args(self, group: dict[str, Any], state: dict[str, Any], step: int) -> UpdateArgs:
