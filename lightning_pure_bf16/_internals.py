@@ -230,7 +230,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "torch.optim.lr_scheduler", "_wrapped_by_lr_sched", "marker", "set on the adopted optimizer's step (adoption)"
     ),
-    PrivateName("torch.optim.lr_scheduler", "_opt_called", "marker", "set by that wrapper (adoption)"),
+    PrivateName(
+        "torch.optim.lr_scheduler", "_opt_called", "marker", "set by that wrapper (adoption), and by gradient release"
+    ),
     PrivateName(
         "torch.distributed.distributed_c10d",
         "`torch.distributed.all_gather_into_tensor` is deprecated",
@@ -820,6 +822,13 @@ FabricBackwardSyncControl: type = _fabric_backward_sync_control()
 
 
 # ------------------------------------------------------------------------------------------------------ torch
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """What a call of ``optimizer.step`` tells a torch ``LRScheduler`` built on it (its wrapper's mark), for a step
+    applied without that call (gradient release applies it in slices during the backward). Without it the first
+    ``scheduler.step()`` warns "lr_scheduler.step() before optimizer.step()"."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 def mark_step_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
     """Wrap ``optimizer.step`` as torch's ``LRScheduler`` does for the optimizer it is built on.
 
@@ -863,6 +872,7 @@ __all__ = [
     "lightning_fit_position",
     "lightning_remove_module_hooks",
     "lightning_update_dataloader",
+    "mark_optimizer_stepped",
     "mark_step_for_lr_scheduler",
     "resolve",
     "set_deepspeed_accelerator",

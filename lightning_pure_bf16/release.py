@@ -182,6 +182,7 @@ class GradientRelease:
         self._pending.clear()
         for flat, _ in self.sub_groups:
             self.optimizer.advance_step(flat)
+        _internals.mark_optimizer_stepped(self.optimizer)  # the step happened, in slices: a scheduler may follow it
         totals = torch.stack([self._sum_sq, torch.tensor(float(self._skipped), dtype=torch.float64).to(self._sum_sq)])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(totals)
