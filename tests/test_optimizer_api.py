@@ -410,3 +410,94 @@ def test_a_torch_state_dict_loads_into_state_files(tmp_path):
     _step(params, opt, 1)
     assert int(opt.state[params[0]]["step"]) == 2
     opt.close()
+
+
+# ----------------------------------------------------------------------------------------------- tensor kinds
+class _Wrapper(torch.Tensor):
+    """The smallest wrapper subclass: no memory of its own, every operation goes to the tensor it wraps."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, _Wrapper) else t  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+@pytest.fixture
+def dtensor(tmp_path):
+    """A bf16 DTensor of FSDP2's kind (sharded on a 1-rank gloo group in this process), as its Parameter."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        yield nn.Parameter(distribute_tensor(torch.randn(8, 4).to(torch.bfloat16), mesh, [Shard(0)]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_fsdp2_dtensor_parameters_and_gradients_are_refused_not_crashed_on(dtensor, backend):
+    import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+
+    with pytest.raises(TypeError, match=r"shape \(8, 4\) is a DTensor.*fully_shard.*deepspeed_pure_bf16"):
+        AdamW([dtensor], backend=backend)
+    # A plain parameter whose gradient is a DTensor is refused at the first step, before anything changes.
+    p = nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16))
+    opt = AdamW([p], backend=backend)
+    p.grad = dtensor.detach()
+    with pytest.raises(TypeError, match="the gradient of a parameter of shape .* is a DTensor"):
+        opt.step()
+    assert len(opt.state[p]) == 0 and not p.any()
+    # The loops refuse it too when called directly (the C++ loop took it for memory and crashed the process).
+    assert adamw_cpu.fused_cpu_available()
+    scalars = [0, True, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0, -1e-3, 1.0, 1, 2, 3, 0]
+    plain = [torch.zeros(8, 4, dtype=torch.bfloat16) for _ in range(4)]
+    with pytest.raises(RuntimeError, match="`param` is a tensor subclass with no memory of its own"):
+        adamw_cpu._extension.adamw_update_bf16(dtensor.detach(), *plain, *scalars)
+    with pytest.raises(RuntimeError, match="tensor subclass with no memory"):
+        adamw_cpu._extension.any_nonfinite_bf16(dtensor.detach())
+
+
+def test_other_wrapper_subclasses_are_refused_by_the_optimizer_and_the_triton_launch():
+    inner = torch.zeros(64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"shape \(64,\) is a _Wrapper, a tensor subclass"):
+        AdamW([_Wrapper(inner)])
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter")
+    from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
+    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
+
+    args = UpdateArgs(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, "stochastic", (1, 2, 3))
+    with pytest.raises(ValueError, match="`grad` is a _Wrapper, a tensor subclass without memory"):
+        adamw_update_triton_(inner.clone(), _Wrapper(inner), inner.clone(), inner.clone(), None, args)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_meta_parameters_are_refused_at_the_first_step_with_how_to_materialize(backend):
+    with torch.device("meta"):
+        model = nn.Linear(4, 3).to(torch.bfloat16)
+    opt = AdamW(model.parameters(), backend=backend)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match=r"shape \(3, 4\) is on the meta device.*model.to_empty"):
+        opt.step()
+    assert all(len(s) == 0 for s in opt.state.values())
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_given_the_cpu_loop_are_refused_before_anything_changes():
+    p = nn.Parameter(torch.zeros(8, dtype=torch.bfloat16, device="cuda"))
+    opt = AdamW([p], backend="cpu")
+    p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="`backend='cpu'` needs contiguous bf16 CPU tensors.*on cuda"):
+        opt.step()
+    assert len(opt.state[p]) == 0 and not p.any()

@@ -336,6 +336,11 @@ def adamw_update_triton_(
     for name, (t, dtype, numel) in expected.items():
         if t is None:
             raise ValueError(f"The Triton AdamW kernel needs `{name}`.")
+        if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            raise ValueError(
+                f"The Triton AdamW kernel writes raw memory; `{name}` is a {type(t).__name__}, a tensor subclass"
+                " without memory of its own (pass its local tensor, `.to_local()`, or a plain tensor)."
+            )
         if not t.is_contiguous():
             raise ValueError(f"The Triton AdamW kernel needs contiguous buffers; `{name}` is not.")
         if t.numel() != numel:

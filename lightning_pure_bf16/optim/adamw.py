@@ -85,6 +85,25 @@ def _triton_can_run(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _refuse_what_the_update_cannot_take(name: str, t: torch.Tensor, what: str) -> None:
+    """The update writes each element in place, through raw memory on the CPU and in Triton. A tensor subclass that
+    routes operations through ``__torch_dispatch__`` (FSDP2's and tensor parallelism's DTensor, for one: it holds no
+    memory of its own) would be written past, or crash the CPU loop; a meta tensor has no values to update."""
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(
+            f"{name} updates plain tensors in place; {what} of shape {tuple(t.shape)} is a {type(t).__name__}, a tensor"
+            " subclass that holds no memory of its own or intercepts operations (FSDP2's `fully_shard` and tensor"
+            " parallelism make DTensors). Train with `strategy='deepspeed_pure_bf16'`, which shards the parameters"
+            " itself, or give the optimizer plain tensors."
+        )
+    if t.is_meta:
+        raise RuntimeError(
+            f"{name}: {what} of shape {tuple(t.shape)} is on the meta device and has no values to update. Materialize"
+            " the model first (`model.to_empty(device=...)`, then initialize its weights) and build the optimizer over"
+            " its parameters."
+        )
+
+
 class AdamW(Optimizer):
     """AdamW whose bf16 parameters and moments lose nothing to rounding on average.
 
@@ -246,6 +265,8 @@ class AdamW(Optimizer):
             params = [params]
         for p in params:
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # a named parameter
+            if isinstance(p, torch.Tensor) and type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+                _refuse_what_the_update_cannot_take(type(self).__name__, p, "a parameter")
             if isinstance(p, torch.Tensor) and p.dtype not in (torch.bfloat16, torch.float32):
                 raise TypeError(
                     f"{type(self).__name__} supports bfloat16 and float32 parameters, got a {p.dtype} parameter of"
@@ -601,6 +622,8 @@ class AdamW(Optimizer):
 
     def _pick_backend(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> str:
         grad = p.grad if grad is None else grad
+        _refuse_what_the_update_cannot_take(type(self).__name__, p, "a parameter")
+        _refuse_what_the_update_cannot_take(type(self).__name__, grad, "the gradient of a parameter")
         if grad.is_sparse:
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients (a parameter of shape {tuple(p.shape)} has"

@@ -3,6 +3,16 @@
 
 #include "q8.h"
 
+// The loops read and write raw memory: a tensor must hold its own. A Python wrapper subclass (a DTensor of FSDP2 or
+// tensor parallelism, for one) has none (its data pointer is null), and would be written through as if it had.
+static void check_has_memory(const char* function, const char* name, const torch::Tensor& t) {
+  TORCH_CHECK(
+      !t.key_set().has(c10::DispatchKey::Python) && t.has_storage() && (t.numel() == 0 || t.data_ptr() != nullptr),
+      function, ": `", name,
+      "` is a tensor subclass with no memory of its own (a DTensor, for example); pass its local tensor "
+      "(`.to_local()`) or a plain tensor");
+}
+
 void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                      torch::Tensor exp_avg_scale, torch::Tensor exp_avg_sq_scale, torch::Tensor kahan_comp,
                      int64_t rounding, bool decoupled, double beta1, double one_minus_beta1, double beta2,
@@ -34,6 +44,7 @@ void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
     if (rounding != 2 && key == "kahan_comp") continue;
     const bool scale = key == "exp_avg_scale" || key == "exp_avg_sq_scale";
     if (scale && !q8m) continue;
+    check_has_memory("adamw_update_q8", name, *t);
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "adamw_update_q8: `", name,
                 "` must be a contiguous CPU tensor");
     TORCH_CHECK(t->numel() == (scale ? blocks : n), "adamw_update_q8: `", name, "` has ", t->numel(),
@@ -63,6 +74,7 @@ void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
 // Stochastic rounding of exact sums on its own, through the loops' paths: a and b float32, bits int32 (tests).
 torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch::Tensor bits) {
   const int64_t n = a.numel();
+  for (const torch::Tensor* t : {&a, &b, &bits}) check_has_memory("stochastic_round_sum_bf16", "a, b, bits", *t);
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && bits.scalar_type() == at::kInt,
               "stochastic_round_sum_bf16: needs float32 a and b and int32 bits");
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && bits.device().is_cpu() && a.is_contiguous() &&
@@ -127,6 +139,7 @@ bool use_vector_loops(bool on) {
 
 // Whether any element is inf or NaN (exponent bits all ones): one read-only pass, an OR-reduction that vectorizes.
 bool any_nonfinite_bf16(torch::Tensor t) {
+  check_has_memory("any_nonfinite_bf16", "t", t);
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
               "any_nonfinite_bf16: needs a contiguous bfloat16 CPU tensor");
   const uint16_t* x = reinterpret_cast<const uint16_t*>(t.data_ptr());
@@ -156,6 +169,7 @@ void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor ex
                                                                   {"kahan_comp", &kahan_comp}};
   for (const auto& [name, t] : buffers) {
     if (rounding != 2 && std::string(name) == "kahan_comp") continue;
+    check_has_memory("adamw_update_bf16", name, *t);
     TORCH_CHECK(t->device().is_cpu(), "adamw_update_bf16: `", name, "` must be a CPU tensor, got ", t->device());
     TORCH_CHECK(t->scalar_type() == at::kBFloat16, "adamw_update_bf16: `", name, "` must be bfloat16, got ",
                 t->scalar_type());
