@@ -1,7 +1,8 @@
 """Compile the fused CPU optimizer loop ahead of time: ``python -m lightning_pure_bf16.build``.
 
 The loop is compiled once per machine with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed) and
-cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); afterwards
+cached under torch's extension directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a
+directory of its own per Python environment; afterwards
 every process loads it in about a second. Run this once on a new machine or image, for example while building a
 container, so the first training run does not wait for the compiler.
 """
@@ -14,7 +15,6 @@ import time
 
 def main() -> int:
     import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
-    from lightning_pure_bf16._internals import cpp_extension_build_directory
 
     start = time.perf_counter()
     ok = adamw_cpu.fused_cpu_available()
@@ -24,7 +24,7 @@ def main() -> int:
             f"lightning_pure_bf16: the fused CPU optimizer loop did not compile: {adamw_cpu._failure}", file=sys.stderr
         )
         return 1
-    where = cpp_extension_build_directory(adamw_cpu._extension.__name__)
+    where = adamw_cpu.build_directory(adamw_cpu._extension.__name__)
     print(f"lightning_pure_bf16: fused CPU optimizer loop ready ({elapsed:.2f} s), cached in {where}")
     return 0
 

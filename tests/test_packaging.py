@@ -4,8 +4,10 @@ from an installed (not editable) copy."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -36,7 +38,7 @@ def test_the_wheel_holds_every_cpp_source(wheel):
     assert not missing, f"not in the wheel: {missing}"
 
 
-def test_the_loop_builds_from_an_installed_package_and_matches_the_pytorch_path(wheel, tmp_path):
+def test_the_loop_builds_from_an_installed_package_after_a_killed_build_and_matches_the_pytorch_path(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
@@ -62,6 +64,15 @@ print("built from", adamw_cpu.CSRC)
 """
     # The installed copy alone (not this checkout), with an extension cache of its own (a fresh build).
     env = {**os.environ, "PYTHONPATH": str(target), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    # A first build killed while it holds torch's build lock leaves the lock file behind (a user's Ctrl-C, a
+    # preempted job); the next load must build, not wait on it forever.
+    first = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "ext").glob("**/lock")) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert first.returncode == -signal.SIGKILL and list((tmp_path / "ext").glob("**/lock")), "no build was cut off"
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
     )

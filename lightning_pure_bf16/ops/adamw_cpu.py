@@ -19,11 +19,15 @@ division by the tests).
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 
 from lightning_pure_bf16.ops import rng
 from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
@@ -52,12 +56,49 @@ def hash_defines() -> list[str]:
     return [f"-D{k}={v}" for k, v in defines.items()]
 
 
+# How long a process waits for another one's build of the loop (a build takes one to three minutes) before it gives up
+# with a warning and uses the PyTorch path.
+BUILD_WAIT_S = float(os.environ.get("LIGHTNING_PURE_BF16_BUILD_WAIT_S", "900"))
+
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built and cached: a directory of this package's own under torch's extension
+    root (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), one per Python environment and torch
+    version, so that two environments never share (or wait on) one build."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    environment = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / "lightning_pure_bf16" / f"{python}_torch{torch.__version__}_{environment}" / name
+
+
+def _load_under_lock(name: str, **options: Any) -> Any:
+    """torch's ``load`` under a lock the kernel releases when its holder dies.
+
+    torch's own build lock is a file that a killed build leaves behind, and every later load of the same name then
+    waits on it forever. Every build of this loop goes through ``<build directory>.lock`` (an ``flock``, held only by
+    a live process), so a ``lock`` file found in the build directory while it is held was left by a build that died:
+    it is removed, and the build resumes (ninja redoes what was cut off)."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(f"{directory}.lock", timeout=BUILD_WAIT_S):
+            (directory / "lock").unlink(missing_ok=True)
+            return load(name=name, build_directory=str(directory), **options)
+    except Timeout:
+        raise TimeoutError(
+            f"another process has been building the loop in {directory} for over {BUILD_WAIT_S:.0f} s (set"
+            " LIGHTNING_PURE_BF16_BUILD_WAIT_S to wait longer)"
+        ) from None
+
+
 def fused_cpu_available() -> bool:
     """Whether the fused CPU loop compiled (it is compiled on the first call; a failure is reported once)."""
     global _extension, _failure
     if _extension is None and _failure is None:
-        from torch.utils.cpp_extension import load
-
         # Vector instructions of the CPU torch itself dispatches to; part of the name, so each build is cached apart.
         # FMA too: ATen reports AVX2 only for CPUs that also have FMA3, and every AVX-512 CPU has it (the 8-bit vector
         # loop uses explicit fused multiply-adds; the compiler still contracts nothing by itself).
@@ -72,8 +113,8 @@ def fused_cpu_available() -> bool:
         # ATen's inline parallel_for runs serially in an extension); a compiler without OpenMP builds the serial loop.
         for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
             try:
-                _extension = load(
-                    name=f"lightning_pure_bf16_adamw_cpu_v22_{capability.lower()}{suffix}",
+                _extension = _load_under_lock(
+                    f"lightning_pure_bf16_adamw_cpu_v23_{capability.lower()}{suffix}",
                     sources=[str(CSRC / name) for name in _SOURCES],
                     extra_include_paths=[str(CSRC)],
                     extra_cflags=[*flags, *hash_defines(), *openmp],
