@@ -261,9 +261,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "the function it reads when it runs, replaced for that time (integrations)",
     ),
     PrivateName("torch.cpu", "get_capabilities", "function", "precision.py: does this CPU have bf16 dot products"),
-    PrivateName(
-        "torch.utils.cpp_extension", "_get_build_directory", "function", "build.py's cache path", ("name", "verbose")
-    ),
 )
 
 # Upstream code this package copies or replaces, with the fingerprint (:func:`source_fingerprint`) of each tested
@@ -850,21 +847,29 @@ def mark_step_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper  # type: ignore[method-assign]
 
 
-def cpp_extension_build_directory(name: str) -> str:
-    """Where torch's extension loader caches the compiled extension ``name``."""
-    from torch.utils.cpp_extension import _get_build_directory
+# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins (the optimizer-state files:
+# ZeRO's loss scaler, a static one under bf16, and its stage enum), in the configurations this package saves and the
+# DeepSpeed bf16-mixed checkpoints it converts. Constructing either runs no code beyond their own ``__init__``.
+CHECKPOINT_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler:LossScaler",
+    "deepspeed.runtime.zero.config:ZeroStageEnum",
+)
 
-    return _get_build_directory(name, verbose=False)
+
+def checkpoint_safe_globals() -> list[Any]:
+    """The allowlist of :data:`CHECKPOINT_GLOBALS` for torch's weights-only unpickler (``torch.serialization``)."""
+    return [resolve(name) for name in CHECKPOINT_GLOBALS]
 
 
 __all__ = [
+    "CHECKPOINT_GLOBALS",
     "COPIED_UPSTREAM",
     "FabricBackwardSyncControl",
     "PRIVATE_NAMES",
     "PrivateName",
     "UpstreamChanged",
     "alias_bf16_master_partitions",
-    "cpp_extension_build_directory",
+    "checkpoint_safe_globals",
     "engine_skipped_steps",
     "fabric_dataloader",
     "fabric_unwrap",

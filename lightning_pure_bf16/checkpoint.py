@@ -22,16 +22,13 @@ from typing import Any
 import torch
 
 from lightning_pure_bf16.durable import fsync_path, fsync_tree
+from lightning_pure_bf16.safe_load import CheckpointError, UntrustedCheckpointError, check_state_files, load_state_file
 
 MANIFEST = "pure_bf16_checkpoint.json"
 TAG = "checkpoint"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".pure_bf16_tmp"
 _OLD_SUFFIX = ".pure_bf16_old"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, truncated, or cannot be loaded into this run."""
 
 
 def staging_path(path: str | os.PathLike) -> Path:
@@ -176,27 +173,32 @@ def _optim_files(directory: Path) -> list[Path]:
     return sorted((directory / _tag(directory)).glob("*_optim_states.pt"))
 
 
-def _master_dtype(directory: Path) -> torch.dtype | None:
+def _master_dtype(directory: Path, trust: bool) -> torch.dtype | None:
     files = _optim_files(directory)
     if not files:
         return None
     try:
-        sd = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
-    except Exception:  # noqa: BLE001 - any unreadable file is reported by the caller as what it is
+        sd = load_state_file(files[0], trust=trust)
+    except UntrustedCheckpointError:
+        raise
+    except CheckpointError:  # an unreadable file is reported by the caller as what it is
         return None
     groups = sd.get("optimizer_state_dict", {}).get("fp32_flat_groups")
     return groups[0].dtype if groups else None
 
 
 def validate_checkpoint(
-    path: str | os.PathLike, *, accept_fp32_masters: bool = False
+    path: str | os.PathLike, *, accept_fp32_masters: bool = False, trust_checkpoint: bool = False
 ) -> tuple[Path, dict[str, Any] | None]:
-    """Check a checkpoint before anything is loaded from it.
+    """Check a checkpoint before anything is loaded from it: complete, untruncated, a known format, and every state
+    file readable without running code (:mod:`lightning_pure_bf16.safe_load`).
 
     Args:
         path: the checkpoint directory Lightning was given.
         accept_fp32_masters: also accept a DeepSpeed ZeRO-3 checkpoint with fp32 master weights (bf16-mixed), which
             has no manifest; it is returned with ``None`` for the manifest.
+        trust_checkpoint: skip the check that no state file needs code to be read (default: False). Only for a
+            checkpoint whose writer you trust: reading such a file can run any command.
 
     Returns:
         The directory to load (``path``, or the complete copy an interrupted save left next to it) and its manifest.
@@ -216,8 +218,9 @@ def validate_checkpoint(
         )
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
-        if _master_dtype(directory) == torch.float32:
+        if _master_dtype(directory, trust_checkpoint) == torch.float32:
             if accept_fp32_masters:
+                check_state_files(_state_files(directory, None), trust=trust_checkpoint)
                 return directory, None
             raise CheckpointError(
                 f"'{requested}' was written with fp32 master weights (DeepSpeed mixed precision). Resume it in pure"
@@ -248,7 +251,13 @@ def validate_checkpoint(
             raise CheckpointError(
                 f"'{file}' is truncated or was overwritten: {actual} bytes, the checkpoint recorded {size}."
             )
+    check_state_files(_state_files(directory, manifest), trust=trust_checkpoint)
     return directory, manifest
+
+
+def _state_files(directory: Path, manifest: dict[str, Any] | None) -> list[Path]:
+    # Every pickle DeepSpeed or the re-partitioning reader would open: the tag directory's rank files.
+    return sorted(tag_directory(directory, manifest).glob("*.pt"))
 
 
 def tag_directory(directory: Path, manifest: dict[str, Any] | None) -> Path:
@@ -256,17 +265,18 @@ def tag_directory(directory: Path, manifest: dict[str, Any] | None) -> Path:
     return directory / (manifest["tag"] if manifest else _tag(directory))
 
 
-def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def consolidate_checkpoint(path: str | os.PathLike, *, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """One bf16 state dict with the LightningModule's keys, from a checkpoint written at any world size.
 
     The values equal the trained parameters bit for bit. A checkpoint written with fp32 master weights (DeepSpeed
     mixed precision) is converted: its masters are rounded to nearest bf16, and a message says so.
+    ``trust_checkpoint``: as :func:`validate_checkpoint`'s.
 
     Raises:
-        CheckpointError: if the checkpoint is missing, incomplete or truncated.
+        CheckpointError: if the checkpoint is missing, incomplete, truncated, or needs code to be read.
     """
     requested = Path(path)
-    directory, _ = validate_checkpoint(requested, accept_fp32_masters=True)
+    directory, _ = validate_checkpoint(requested, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # DeepSpeed's reader prints progress and progress bars; the caller reports what matters.
@@ -276,7 +286,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         except (OSError, ValueError, RuntimeError) as err:
             raise CheckpointError(f"Could not read the checkpoint '{requested}': {err}") from err
     converted = [k for k, v in state.items() if v.dtype == torch.float32]
-    trainable_fp32 = _master_dtype(directory) == torch.float32
+    trainable_fp32 = _master_dtype(directory, trust_checkpoint) == torch.float32
     if trainable_fp32:
         print(
             f"'{requested}' holds fp32 master weights (DeepSpeed mixed precision): converted {len(converted)} tensors"
@@ -286,34 +296,39 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def consolidate_optimizer_state(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
+def consolidate_optimizer_state(
+    path: str | os.PathLike, *, trust_checkpoint: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
     """The optimizer state of a checkpoint written at any world size, per parameter name of the LightningModule.
 
     Each entry holds ``exp_avg``, ``exp_avg_sq``, ``kahan_comp`` (when the run kept a Kahan remainder) shaped as the
     parameter, bit for bit what the run held (8-bit moments and remainders are decoded to float32 with their block
     scales or weights), and ``step`` (int64). A DeepSpeed bf16-mixed checkpoint gives its fp32 moments.
+    ``trust_checkpoint``: as :func:`validate_checkpoint`'s.
 
     Raises:
-        CheckpointError: if the checkpoint is missing, incomplete or truncated.
+        CheckpointError: if the checkpoint is missing, incomplete, truncated, or needs code to be read.
     """
     from lightning_pure_bf16.repartition import RepartitionError
     from lightning_pure_bf16.repartition import consolidate_optimizer_state as consolidate
 
-    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True)
+    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
     try:
-        return consolidate(tag_directory(directory, manifest))
+        return consolidate(tag_directory(directory, manifest), trust=trust_checkpoint)
     except RepartitionError as err:
         raise CheckpointError(str(err)) from err
 
 
-def export_universal_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> Path:
+def export_universal_checkpoint(
+    path: str | os.PathLike, output: str | os.PathLike, *, trust_checkpoint: bool = False
+) -> Path:
     """Write a checkpoint (any world size) in DeepSpeed's universal layout under ``output/universal``; see
-    :func:`lightning_pure_bf16.repartition.export_universal`."""
+    :func:`lightning_pure_bf16.repartition.export_universal`. ``trust_checkpoint``: as :func:`validate_checkpoint`'s."""
     from lightning_pure_bf16.repartition import RepartitionError, export_universal
 
-    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True)
+    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
     try:
-        return export_universal(tag_directory(directory, manifest), output)
+        return export_universal(tag_directory(directory, manifest), output, trust=trust_checkpoint)
     except RepartitionError as err:
         raise CheckpointError(str(err)) from err
 
@@ -341,6 +356,7 @@ def save_state_dict(state: dict[str, torch.Tensor], output: str | os.PathLike) -
 
 __all__ = [
     "CheckpointError",
+    "UntrustedCheckpointError",
     "consolidate_checkpoint",
     "consolidate_optimizer_state",
     "export_universal_checkpoint",

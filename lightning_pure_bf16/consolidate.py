@@ -26,16 +26,22 @@ def main(argv: list[str] | None = None) -> int:
         help="also write the optimizer state per parameter (keys NAME.exp_avg, NAME.exp_avg_sq, NAME.kahan_comp,"
         " NAME.step) to FILE (.safetensors or .pt)",
     )
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="read files that need code to be read (pickled objects beyond tensors and DeepSpeed's own types); only"
+        " for a checkpoint whose writer you trust: it can run any command",
+    )
     args = parser.parse_args(argv)
     for output in filter(None, (args.output, args.optimizer_state)):
         if not output.lower().endswith((".safetensors", ".pt", ".pth", ".bin")):
             print(f"error: Unknown output type for '{output}': use .safetensors or .pt.", file=sys.stderr)
             return 1
     try:
-        state = consolidate_checkpoint(args.checkpoint)
+        state = consolidate_checkpoint(args.checkpoint, trust_checkpoint=args.trust_checkpoint)
         opt_state = None
         if args.optimizer_state:
-            per_param = consolidate_optimizer_state(args.checkpoint)
+            per_param = consolidate_optimizer_state(args.checkpoint, trust_checkpoint=args.trust_checkpoint)
             opt_state = {f"{name}.{key}": value for name, st in per_param.items() for key, value in st.items()}
         path = save_state_dict(state, args.output)
         if opt_state is not None:

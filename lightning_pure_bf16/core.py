@@ -426,19 +426,23 @@ def load_checkpoint(
     strict: bool,
     strategy_name: str,
     load_lr_scheduler_states: bool = False,
+    trust_checkpoint: bool = False,
 ) -> tuple[dict[str, Any], ZeroCheckpoint | None]:
     """Check, then load a checkpoint into a live engine; returns the client state and, when the checkpoint had to be
     re-partitioned (another world size or sub-group layout, or DeepSpeed bf16-mixed), its reader.
 
     ``load_lr_scheduler_states``: also restore the scheduler given to ``deepspeed.initialize`` (``engine.lr_scheduler``)
-    from the checkpoint (the Lightning strategies leave schedulers to Lightning).
+    from the checkpoint (the Lightning strategies leave schedulers to Lightning). ``trust_checkpoint``: read the files
+    without the check that none needs code to be read (:func:`validate_checkpoint`).
 
     Raises:
         CheckpointError: naming the file and what to do, before anything is loaded.
     """
-    directory, manifest = validate_checkpoint(checkpoint_path, accept_fp32_masters=True)
+    directory, manifest = validate_checkpoint(
+        checkpoint_path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint
+    )
     try:
-        saved = ZeroCheckpoint(tag_directory(directory, manifest))
+        saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
         same_layout = (
             manifest is not None and saved.world_size == world_size and saved.layout() == live_layout(engine.optimizer)
         )

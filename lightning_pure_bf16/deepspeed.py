@@ -299,10 +299,12 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     strict: bool = True,
+    trust_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """Check, then load a checkpoint saved by :func:`save_checkpoint` (or by the strategies) into ``engine``, from
     any world size (re-partitioned when it differs); returns the ``client_state`` saved with it. The scheduler given
-    to :func:`initialize` is restored too (``load_lr_scheduler_states``).
+    to :func:`initialize` is restored too (``load_lr_scheduler_states``). No file that needs code to be read is
+    loaded unless ``trust_checkpoint=True`` (only for a checkpoint whose writer you trust: it can run any command).
 
     Raises:
         lightning_pure_bf16.CheckpointError: naming the file and what is wrong, before anything is loaded.
@@ -319,6 +321,7 @@ def load_checkpoint(
         strict=strict,
         strategy_name=NAME,
         load_lr_scheduler_states=load_lr_scheduler_states,
+        trust_checkpoint=trust_checkpoint,
     )
     handle.resync_skips()
     return client_state

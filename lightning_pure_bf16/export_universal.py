@@ -18,9 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint", help="checkpoint directory (any world size)")
     parser.add_argument("output", help="output directory; the checkpoint goes into OUTPUT/universal")
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="read files that need code to be read (pickled objects beyond tensors and DeepSpeed's own types); only"
+        " for a checkpoint whose writer you trust: it can run any command",
+    )
     args = parser.parse_args(argv)
     try:
-        written = export_universal_checkpoint(args.checkpoint, args.output)
+        written = export_universal_checkpoint(args.checkpoint, args.output, trust_checkpoint=args.trust_checkpoint)
     except (CheckpointError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -335,7 +335,9 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """``fabric.load(path, state)``: checked, then loaded (re-partitioned if saved at another world size); the
-        state's other entries are restored in place; returns what the checkpoint holds beyond them."""
+        state's other entries are restored in place; returns what the checkpoint holds beyond them.
+        ``fabric.load(..., weights_only=False)`` trusts the checkpoint (no check that its files need no code to be
+        read: only for a checkpoint whose writer you trust)."""
         if isinstance(state, (Module, Optimizer)) or self.load_full_weights:
             return super().load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
         if not state:
@@ -353,6 +355,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             load_optimizer_states=load_optimizer,
             strict=strict,
             strategy_name=self.strategy_name,
+            trust_checkpoint=weights_only is False,
         )
         self._skips.sync(engine)
         for key in list(client_state):

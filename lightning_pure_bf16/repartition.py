@@ -35,6 +35,7 @@ import torch
 from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.durable import fsync_tree
 from lightning_pure_bf16.optim import quant
+from lightning_pure_bf16.safe_load import CheckpointError, UntrustedCheckpointError, load_state_file
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -81,10 +82,13 @@ class ZeroCheckpoint:
 
     Args:
         tag_dir: the directory holding ``*_model_states.pt`` and ``*_optim_states.pt``.
+        trust: read the files with the full unpickler, which runs any code they name (default: False: the
+            weights-only reader of :mod:`lightning_pure_bf16.safe_load`).
     """
 
-    def __init__(self, tag_dir: str | os.PathLike) -> None:
+    def __init__(self, tag_dir: str | os.PathLike, *, trust: bool = False) -> None:
         self.dir = Path(tag_dir)
+        self._trust = trust
         optim = _rank_files(self.dir, _OPTIM_FILE)
         model = _rank_files(self.dir, _MODEL_FILE)
         if not optim or not model:
@@ -99,7 +103,7 @@ class ZeroCheckpoint:
                 " checkpoint has one of each per rank. The checkpoint is incomplete."
             )
         self._optim_files, self._model_files = optim, model
-        self.model_state: dict[str, Any] = _load(model[0])
+        self.model_state: dict[str, Any] = _load(model[0], trust)
         shapes = self.model_state.get("param_shapes")
         if not isinstance(shapes, list):
             raise RepartitionError(f"'{model[0]}' has no ZeRO-3 `param_shapes`: not a ZeRO-3 checkpoint.")
@@ -130,7 +134,7 @@ class ZeroCheckpoint:
     # -------------------------------------------------------------------------------------------------- reading
     def _zero_state(self, rank: int) -> dict[str, Any]:
         if rank not in self._zero:
-            self._zero[rank] = _load(self._optim_files[rank])["optimizer_state_dict"]
+            self._zero[rank] = _load(self._optim_files[rank], self._trust)["optimizer_state_dict"]
         return self._zero[rank]
 
     def _inner_state(self, rank: int, sub_group: int) -> dict[str, Any]:
@@ -208,11 +212,13 @@ def _rank_files(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
     return [found[r] for r in range(len(found))]
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Path, trust: bool) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is named with what torch said
-        raise RepartitionError(f"Could not read '{path}': {err}") from err
+        return load_state_file(path, trust=trust)
+    except UntrustedCheckpointError:
+        raise
+    except CheckpointError as err:
+        raise RepartitionError(str(err)) from err
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -312,10 +318,13 @@ def load_repartitioned(
 
 
 # ------------------------------------------------------------------------------------------------ consolidation
-def consolidate_optimizer_state(tag_dir: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
+def consolidate_optimizer_state(
+    tag_dir: str | os.PathLike, *, trust: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
     """Per parameter name, the optimizer state the run held: ``exp_avg``, ``exp_avg_sq``, ``kahan_comp`` when
-    present (bf16 as stored; 8-bit codes decoded to float32 with their block scales) and ``step`` (int64)."""
-    ckpt = ZeroCheckpoint(tag_dir)
+    present (bf16 as stored; 8-bit codes decoded to float32 with their block scales) and ``step`` (int64).
+    ``trust``: as :class:`ZeroCheckpoint`'s."""
+    ckpt = ZeroCheckpoint(tag_dir, trust=trust)
     step = ckpt.step()
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name in ckpt.iter_params():
@@ -327,18 +336,20 @@ def consolidate_optimizer_state(tag_dir: str | os.PathLike) -> dict[str, dict[st
 
 
 # ---------------------------------------------------------------------------------------------- universal layout
-def export_universal(tag_dir: str | os.PathLike, output: str | os.PathLike, *, tag: str = "universal") -> Path:
+def export_universal(
+    tag_dir: str | os.PathLike, output: str | os.PathLike, *, tag: str = "universal", trust: bool = False
+) -> Path:
     """Write a ZeRO-3 checkpoint in DeepSpeed's universal layout under ``output/tag`` (``output/latest_universal``
     names the tag), to be loaded by DeepSpeed's engine with ``"checkpoint": {"load_universal": true}`` at any world
     size, or by this package.
 
     Per parameter: ``fp32.pt`` (the weights, exactly), ``exp_avg.pt`` and ``exp_avg_sq.pt`` (float32, 8-bit moments
     decoded), and ``kahan_comp.pt`` when the run kept a Kahan remainder (DeepSpeed's loader ignores it). Written to a
-    staging directory, fsynced, and moved into place complete.
+    staging directory, fsynced, and moved into place complete. ``trust``: as :class:`ZeroCheckpoint`'s.
     """
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
 
-    ckpt = ZeroCheckpoint(tag_dir)
+    ckpt = ZeroCheckpoint(tag_dir, trust=trust)
     output = Path(output)
     final = output / tag
     if final.exists():

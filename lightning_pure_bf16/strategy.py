@@ -78,6 +78,11 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             accumulation, gradient clipping and states in files are refused with it; an inf/NaN gradient leaves its
             partition as it was instead of skipping the whole step (default: ``False``;
             ``strategy="deepspeed_pure_bf16_release"``, ``"deepspeed_pure_bf16_int8_release"``).
+        trust_checkpoint: resume from checkpoints without checking that none of their files needs code to be read
+            (each file is otherwise read with torch's weights-only unpickler first, and one that needs more is
+            refused). Only for checkpoints whose writer you trust: reading such a file can run any command. The
+            Trainer's own ``fit(..., weights_only=False)`` does the same where Lightning passes it on (default:
+            ``False``).
         **kwargs: passed to Lightning's ``DeepSpeedStrategy`` (``parallel_devices``, ``cluster_environment``,
             ``process_group_backend``, ``timeout``, ``logging_level``, ``load_full_weights``...).
     """
@@ -105,6 +110,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         moments: str = "bf16",
         compensation: str = "bf16",
         gradient_release: bool = False,
+        trust_checkpoint: bool = False,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision_plugin: Precision | None = None,
@@ -160,6 +166,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             gradient_release=gradient_release,
         )
         self.config = self.settings.deepspeed_config(self.config)
+        self.trust_checkpoint = bool(trust_checkpoint)
         self._skips = core.SkipCounter()
         self._peak_meter: core.PeakMeter | None = None
 
@@ -340,7 +347,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Check the checkpoint (complete, untruncated, a known format), then load it.
+        """Check the checkpoint (complete, untruncated, a known format, no file that needs code to be read), then
+        load it. ``trust_checkpoint=True`` (or ``weights_only=False``, which Lightning 2.6 drops on the way here for
+        strategies that restore after setup, as DeepSpeed's do) reads the files without that check.
 
         Saved by this world size with the same sub-groups: DeepSpeed loads it, bit for bit. Saved by another world size
         or sub-group layout, or by DeepSpeed bf16-mixed (fp32 masters): every value is re-partitioned to this run
@@ -358,6 +367,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             load_optimizer_states=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
             strict=self.lightning_module.strict_loading,
             strategy_name=self.strategy_name,
+            trust_checkpoint=self.trust_checkpoint or weights_only is False,
         )
         self._skips.sync(self.deepspeed_engine)
         if repartitioned is not None and "pytorch-lightning_version" not in client_state:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_pure_bf16 import CheckpointError, consolidate_checkpoint
-from lightning_pure_bf16.checkpoint import MANIFEST, staging_path, validate_checkpoint
+from lightning_pure_bf16.checkpoint import (
+    MANIFEST,
+    UntrustedCheckpointError,
+    consolidate_optimizer_state,
+    export_universal_checkpoint,
+    staging_path,
+    validate_checkpoint,
+)
 from tests.strategy_runs import fit, load_ranks, run_script
 
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch; the checkpoint at step 8 is an epoch boundary (mid-epoch resume,
@@ -242,6 +251,49 @@ def test_resuming_a_truncated_checkpoint_fails_before_training(uninterrupted, tm
     proc = fit(tmp_path, check=False, devices=2, steps=12, ckpt_path=str(target))
     assert proc.returncode != 0 and "is truncated or was overwritten" in proc.stderr
     assert not (tmp_path / "rank0.pt").exists()
+
+
+class _RunsCode:
+    """Unpickles into a call of ``os.system``: what a checkpoint from a stranger may hold."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_checkpoint_that_runs_code_is_refused_by_every_reader_and_loads_only_when_trusted(uninterrupted, tmp_path):
+    from lightning_pure_bf16.consolidate import main as consolidate_main
+    from tests.test_deepspeed_front_end import ds_run
+
+    target, marker = _copy(uninterrupted, tmp_path), tmp_path / "code_ran"
+    victim = sorted((target / "checkpoint").glob("*model_states.pt"))[0]
+    state = torch.load(victim, weights_only=True)
+    torch.save({**state, "payload": _RunsCode(f"touch {marker}")}, victim)
+    manifest = json.loads((target / MANIFEST).read_text())  # consistent sizes: the manifest sees nothing wrong
+    manifest["files"] = {name: (target / name).stat().st_size for name in manifest["files"]}
+    (target / MANIFEST).write_text(json.dumps(manifest))
+    refused = rf"'{victim}' needs the types posix.system to be read.*Nothing was loaded.*trust"
+    export = lambda t: export_universal_checkpoint(t, tmp_path / "universal")  # noqa: E731
+    for read in (consolidate_checkpoint, consolidate_optimizer_state, export):
+        with pytest.raises(UntrustedCheckpointError, match=refused):
+            read(target)
+    assert consolidate_main([str(target), str(tmp_path / "w.safetensors")]) == 1
+    # Resume through the Trainer (1 rank: the re-partitioning reader) and the plain-DeepSpeed front end.
+    proc = fit(tmp_path / "fit", check=False, devices=1, steps=12, ckpt_path=str(target))
+    assert proc.returncode != 0 and "UntrustedCheckpointError" in proc.stderr
+    ds_run(tmp_path / "ds", world=1, steps=4, resume=str(target), record_load_error=True)
+    assert "UntrustedCheckpointError" in torch.load(tmp_path / "ds" / "rank0.pt", weights_only=True)["load_error"]
+    assert not marker.exists()
+    # The opt-in reads it with the full unpickler, which runs the payload: the command line, then a 2-rank Trainer
+    # resume with the strategy's `trust_checkpoint=True` (DeepSpeed's own loader), which trains on.
+    assert consolidate_main([str(target), str(tmp_path / "w.safetensors"), "--trust-checkpoint"]) == 0
+    assert marker.exists()
+    marker.unlink()
+    trusted = {**RUN, "strategy": {**RUN["strategy"], "trust_checkpoint": True}}
+    fit(tmp_path / "trusted", steps=12, ckpt_path=str(target), **trusted)
+    assert marker.exists() and load_ranks(tmp_path / "trusted")[0]["global_step"] == 12
 
 
 @pytest.fixture(scope="module")

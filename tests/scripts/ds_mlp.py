@@ -1,4 +1,5 @@
-"""Plain DeepSpeed through ``lightning_pure_bf16.deepspeed.initialize`` on 2 CPU processes (spawned here): the user's
+"""Plain DeepSpeed through ``lightning_pure_bf16.deepspeed.initialize`` on 2 CPU processes (spawned here, or each
+started by torchrun): the user's
 own loop (``engine.backward``, ``engine.step``), a checkpoint mid-way and a resume; each rank writes what it saw.
 
     python ds_mlp.py OUT '{"steps": 6, "save_at": 3, ...}'
@@ -19,7 +20,8 @@ from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
 
 
 def worker(rank: int, out: Path, opts: dict) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(opts.get("world", 2)))
+    if not opts.get("launched"):
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(opts.get("world", 2)))
     # Several runs one after the other in the same processes (each in its own folder), to share the start-up.
     for run in opts.get("runs", [{}]):
         if "name" in run:
@@ -67,7 +69,13 @@ def one_run(rank: int, out: Path, opts: dict) -> None:
     x, y = data(64).tensors
     state = {"step": 0}
     if opts.get("resume"):
-        state.update(pure_bf16.load_checkpoint(engine, opts["resume"]))
+        try:
+            state.update(pure_bf16.load_checkpoint(engine, opts["resume"], trust_checkpoint=opts.get("trust", False)))
+        except RuntimeError as err:
+            if not opts.get("record_load_error"):
+                raise
+            torch.save({"load_error": f"{type(err).__name__}: {err}"}, out / f"rank{rank}.pt")
+            return
     losses, overflows, snapshots = [], [], []
     if opts.get("nan_element") is not None and rank == 0:
         # One element of one parameter's local gradient is NaN on rank 0 at that step: after the reduce-scatter only
@@ -169,4 +177,7 @@ if __name__ == "__main__":
     out, opts = Path(sys.argv[1]), json.loads(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one rank of its node
+        worker(int(os.environ["RANK"]), out, {**opts, "world": int(os.environ["WORLD_SIZE"]), "launched": True})
+        sys.exit(0)
     mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")

@@ -1,0 +1,100 @@
+"""Reading a checkpoint's files without running code.
+
+A ``.pt`` file is a pickle, and unpickling can call any function the file names: a checkpoint from a colleague, a hub
+or a bucket could run a command on every rank that loads it. Every file this package reads from a checkpoint is read
+here, with torch's weights-only unpickler and an allowlist of the few classes DeepSpeed writes into the checkpoints of
+the configurations this package runs (:func:`lightning_pure_bf16._internals.checkpoint_safe_globals`). DeepSpeed's own
+loader (``weights_only=False``) only ever sees files that passed this check. A file that needs anything else is
+refused, naming the file and the types, unless the caller opts in to trusting the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pure_bf16 import _internals
+
+# The ways to opt in, in the words of each front end (one message for all: a checkpoint travels between them).
+TRUST_OPT_IN = (
+    "`DeepSpeedPureBF16Strategy(trust_checkpoint=True)` for the Trainer, `fabric.load(..., weights_only=False)`,"
+    " `lightning_pure_bf16.deepspeed.load_checkpoint(..., trust_checkpoint=True)`, `trust_checkpoint=True` on the"
+    " consolidation and export functions, or `--trust-checkpoint` on their commands"
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated, corrupted, unsafe to read, or cannot be loaded into this run."""
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint file needs types outside the allowlist to be read: reading it could run code."""
+
+
+def load_state_file(path: str | os.PathLike, *, trust: bool = False) -> dict[str, Any]:
+    """Read one ``.pt`` file of a checkpoint onto the CPU (memory-mapped where the file allows it).
+
+    Args:
+        path: the file.
+        trust: read it with the full unpickler, which runs whatever code the file names (default: False).
+
+    Raises:
+        UntrustedCheckpointError: the file needs a type outside the allowlist (and ``trust`` is False).
+        CheckpointError: the file is not a readable torch file.
+    """
+    path = Path(path)
+    with torch.serialization.safe_globals(_internals.checkpoint_safe_globals()):
+        try:
+            return _load(path, trust)
+        except pickle.UnpicklingError as err:
+            if trust:
+                raise CheckpointError(f"'{path}' is not a readable torch file: {_first_line(err)}") from err
+            names = _unsafe_globals(path)
+            what = f"the types {', '.join(names)}" if names else "a construct the weights-only reader refuses"
+            raise UntrustedCheckpointError(
+                f"'{path}' needs {what} to be read, and reading it could run code on this machine: neither DeepSpeed"
+                " nor Lightning writes such a file for this strategy. Nothing was loaded. If you trust whoever wrote"
+                f" this checkpoint, opt in with {TRUST_OPT_IN}; loading an untrusted file this way can run any"
+                " command as you."
+            ) from None
+        except (RuntimeError, OSError, EOFError, ValueError) as err:
+            raise CheckpointError(f"'{path}' is unreadable or corrupted: {_first_line(err)}") from err
+
+
+def check_state_files(paths: Iterable[Path], *, trust: bool = False) -> None:
+    """Read every file of ``paths`` as :func:`load_state_file` does (memory-mapped: the tensors' data are not read),
+    so that a file that would run code is refused before any other reader sees it. Does nothing when trusted."""
+    if trust:
+        return
+    for path in paths:
+        load_state_file(path)
+
+
+def _load(path: Path, trust: bool) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust)
+    except RuntimeError as err:
+        # A file in torch's legacy (not zip) format cannot be memory-mapped; it is read whole instead.
+        if "mmap" not in str(err):
+            raise
+    return torch.load(path, map_location="cpu", weights_only=not trust)
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - only for the message; the refusal stands without the names
+        return []
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+__all__ = ["CheckpointError", "TRUST_OPT_IN", "UntrustedCheckpointError", "check_state_files", "load_state_file"]
