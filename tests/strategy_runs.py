@@ -44,5 +44,19 @@ def fit(out: Path, check: bool = True, **opts: object) -> subprocess.CompletedPr
     return run_script("fit_mlp.py", out, json.dumps(opts), check=check)
 
 
+def fit_nodes(out: Path, num_nodes: int, **opts: object) -> None:
+    """One fit over ``num_nodes`` simulated nodes on this machine, launched as a cluster launches them: the same
+    command once per node with its ``NODE_RANK`` and one master address (Lightning launches each node's other ranks)."""
+    env = _env()
+    args = [sys.executable, str(SCRIPTS / "fit_mlp.py"), str(out), json.dumps({**opts, "num_nodes": num_nodes})]
+    procs = [
+        subprocess.Popen(args, env={**env, "NODE_RANK": str(node)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for node in range(num_nodes)
+    ]
+    logs = [p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace") for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise AssertionError("a node failed:\n" + "\n".join(f"node {i}:\n{log[-3000:]}" for i, log in enumerate(logs)))
+
+
 def load_ranks(out: Path, world_size: int = 2) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

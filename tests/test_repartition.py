@@ -20,7 +20,7 @@ from lightning_pure_bf16.checkpoint import (
     validate_checkpoint,
 )
 from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint
-from tests.strategy_runs import SCRIPTS, fit, load_ranks, run_script
+from tests.strategy_runs import SCRIPTS, fit, fit_nodes, load_ranks, run_script
 
 # Kahan, a scheduler, and an inf/NaN step (2) on one rank: every counter and buffer a checkpoint holds is non-trivial.
 RUN = {"strategy": {"rounding": "kahan"}, "scheduler": True, "nan_rank": 0, "nan_step": 2}
@@ -79,6 +79,20 @@ def test_repartitioned_checkpoint_saved_again_holds_every_value_bit_for_bit(sour
 def test_sub_group_size_changed_too(chain):
     assert len(ZeroCheckpoint(chain["3"] / "checkpoint").sub_groups) > 2
     assert len(ZeroCheckpoint(chain["2"] / "checkpoint").sub_groups) == 2
+
+
+def test_two_nodes_of_two_ranks_save_and_resume_on_one_node_and_one_rank_bit_for_bit(tmp_path_factory):
+    """num_nodes=2, devices=2: two launches with NODE_RANK 0 and 1 over gloo on 127.0.0.1, as a cluster runs them."""
+    out = tmp_path_factory.mktemp("nodes")
+    fit_nodes(out, 2, devices=2, steps=4, save_at_end=str(out / "final"), **RUN)
+    ranks = load_ranks(out, 4)
+    assert [r["world_size"] for r in ranks] == [4] * 4 and ranks[0]["global_step"] == 4
+    assert all(r["memory_report"]["total"] == pytest.approx(10.0) for r in ranks)  # Kahan: 10 bytes/param
+    assert json.loads((out / "final" / MANIFEST).read_text())["world_size"] == 4
+    for devices in (2, 1):
+        resaved, _ = _resave(tmp_path_factory, f"nodes_to{devices}", out / "final", devices=devices, steps=4)
+        _assert_same_state(out / "final", resaved)
+        assert ZeroCheckpoint(resaved / "checkpoint").world_size == devices
 
 
 @pytest.fixture(scope="module")
