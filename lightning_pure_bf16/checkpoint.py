@@ -15,14 +15,20 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_pure_bf16.durable import fsync_path, fsync_tree
-from lightning_pure_bf16.safe_load import CheckpointError, UntrustedCheckpointError, check_state_files, load_state_file
+from lightning_pure_bf16.safe_load import (
+    CheckpointError,
+    UntrustedCheckpointError,
+    check_state_files,
+    load_state_file,
+    verify_state_file,
+)
 
 MANIFEST = "pure_bf16_checkpoint.json"
 TAG = "checkpoint"
@@ -95,13 +101,37 @@ def save_staged(
         clear_staging(path)
     barrier("pure_bf16_save_start")
     staged = staging_path(path)
-    write(staged)
-    fsync_tree(staged)
+    with _failed_save_reported(path, staged):
+        write(staged)
+        fsync_tree(staged)
     barrier("pure_bf16_save_written")
     if is_global_zero:
-        write_manifest(staged, world_size, **info)
+        with _failed_save_reported(path, staged):
+            write_manifest(staged, world_size, **info)
         commit_staged(path)
     barrier("pure_bf16_save_done")
+
+
+@contextlib.contextmanager
+def _failed_save_reported(path: str | os.PathLike, staged: Path) -> Iterator[None]:
+    """A write into the staging directory that fails (most often a full file system, which torch's writer reports as
+    an opaque ``RuntimeError``) becomes a :class:`CheckpointError` that says where, how much space was free, and that
+    the checkpoint already at ``path`` is whole; the partial copy is removed, giving its space back."""
+    try:
+        yield
+    except Exception as err:
+        try:
+            free = f"{shutil.disk_usage(staged.parent).free:,} bytes"
+        except OSError:
+            free = "an unknown number of bytes"
+        if staged.exists():
+            _remove(staged)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(
+            f"Saving the checkpoint to '{path}' failed: {type(err).__name__}: {first}. Its file system had {free} free"
+            " when it failed: if it ran out of space, free some or save elsewhere. The partial copy was removed;"
+            f" nothing at '{path}' was changed, so the checkpoint already there (if any) is whole."
+        ) from err
 
 
 LATEST = "latest"
@@ -188,10 +218,15 @@ def _master_dtype(directory: Path, trust: bool) -> torch.dtype | None:
 
 
 def validate_checkpoint(
-    path: str | os.PathLike, *, accept_fp32_masters: bool = False, trust_checkpoint: bool = False
+    path: str | os.PathLike,
+    *,
+    accept_fp32_masters: bool = False,
+    trust_checkpoint: bool = False,
+    verify_checksums: bool = True,
 ) -> tuple[Path, dict[str, Any] | None]:
-    """Check a checkpoint before anything is loaded from it: complete, untruncated, a known format, and every state
-    file readable without running code (:mod:`lightning_pure_bf16.safe_load`).
+    """Check a checkpoint before anything is loaded from it: complete, untruncated, a known format, every state
+    file's bytes as written (torch's CRC-32 of each record) and readable without running code
+    (:mod:`lightning_pure_bf16.safe_load`).
 
     Args:
         path: the checkpoint directory Lightning was given.
@@ -199,6 +234,8 @@ def validate_checkpoint(
             has no manifest; it is returned with ``None`` for the manifest.
         trust_checkpoint: skip the check that no state file needs code to be read (default: False). Only for a
             checkpoint whose writer you trust: reading such a file can run any command.
+        verify_checksums: read every state file whole to check its checksums (default: True; the ranks of a resume
+            share the reading out instead, :func:`lightning_pure_bf16.core.load_checkpoint`).
 
     Returns:
         The directory to load (``path``, or the complete copy an interrupted save left next to it) and its manifest.
@@ -220,7 +257,7 @@ def validate_checkpoint(
     if not manifest_path.is_file():
         if _master_dtype(directory, trust_checkpoint) == torch.float32:
             if accept_fp32_masters:
-                check_state_files(_state_files(directory, None), trust=trust_checkpoint)
+                _check_files(state_files(directory, None), trust_checkpoint, verify_checksums)
                 return directory, None
             raise CheckpointError(
                 f"'{requested}' was written with fp32 master weights (DeepSpeed mixed precision). Resume it in pure"
@@ -251,12 +288,19 @@ def validate_checkpoint(
             raise CheckpointError(
                 f"'{file}' is truncated or was overwritten: {actual} bytes, the checkpoint recorded {size}."
             )
-    check_state_files(_state_files(directory, manifest), trust=trust_checkpoint)
+    _check_files(state_files(directory, manifest), trust_checkpoint, verify_checksums)
     return directory, manifest
 
 
-def _state_files(directory: Path, manifest: dict[str, Any] | None) -> list[Path]:
-    # Every pickle DeepSpeed or the re-partitioning reader would open: the tag directory's rank files.
+def _check_files(files: list[Path], trust: bool, verify_checksums: bool) -> None:
+    if verify_checksums:
+        for file in files:
+            verify_state_file(file)
+    check_state_files(files, trust=trust)
+
+
+def state_files(directory: Path, manifest: dict[str, Any] | None) -> list[Path]:
+    """Every file DeepSpeed or the re-partitioning reader would open: the ``.pt`` files of the checkpoint's tag."""
     return sorted(tag_directory(directory, manifest).glob("*.pt"))
 
 
@@ -361,5 +405,6 @@ __all__ = [
     "consolidate_optimizer_state",
     "export_universal_checkpoint",
     "save_state_dict",
+    "state_files",
     "validate_checkpoint",
 ]

@@ -29,6 +29,7 @@ from lightning_pure_bf16.checkpoint import (
     is_checkpoint,
     read_latest_tag,
     save_staged,
+    state_files,
     tag_directory,
     validate_checkpoint,
     write_latest_tag,
@@ -51,6 +52,7 @@ from lightning_pure_bf16.repartition import (
     live_layout,
     load_repartitioned,
 )
+from lightning_pure_bf16.safe_load import verify_state_file
 
 # The precision flags both front ends accept (their defaults, and the explicit one); all mean pure bf16.
 ACCEPTED_PRECISION = ("32-true", "bf16-true")
@@ -416,6 +418,26 @@ def save_checkpoint(
     save_staged(filepath, write, world_size=world_size, is_global_zero=is_global_zero, barrier=barrier, **info)
 
 
+def _verify_shared(files: list[Path], rank: int, world_size: int, device: torch.device) -> None:
+    """The ranks share out the reading of the checkpoint's files against their checksums (each file is read once in
+    all); a corrupted file found by any rank stops every rank before anything is loaded."""
+    error: CheckpointError | None = None
+    try:
+        for file in files[rank::world_size]:
+            verify_state_file(file)
+    except CheckpointError as err:
+        error = err
+    if world_size > 1 and torch.distributed.is_initialized():
+        found = torch.tensor([float(error is not None)], device=device)
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        if error is None and found.item():
+            raise CheckpointError(
+                "Another rank found a corrupted file in the checkpoint (its error names the file); nothing was loaded."
+            )
+    if error is not None:
+        raise error
+
+
 def load_checkpoint(
     engine: Any,
     checkpoint_path: str | os.PathLike,
@@ -439,8 +461,9 @@ def load_checkpoint(
         CheckpointError: naming the file and what to do, before anything is loaded.
     """
     directory, manifest = validate_checkpoint(
-        checkpoint_path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint
+        checkpoint_path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint, verify_checksums=False
     )
+    _verify_shared(state_files(directory, manifest), rank, world_size, engine.device)
     try:
         saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
         same_layout = (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def load_state_file(path: str | os.PathLike, *, trust: bool = False) -> dict[str
         try:
             return _load(path, trust)
         except pickle.UnpicklingError as err:
+            verify_state_file(path)  # a changed byte is reported as what it is, not as a file that would run code
             if trust:
                 raise CheckpointError(f"'{path}' is not a readable torch file: {_first_line(err)}") from err
             names = _unsafe_globals(path)
@@ -63,6 +65,7 @@ def load_state_file(path: str | os.PathLike, *, trust: bool = False) -> dict[str
                 " command as you."
             ) from None
         except (RuntimeError, OSError, EOFError, ValueError) as err:
+            verify_state_file(path)
             raise CheckpointError(f"'{path}' is unreadable or corrupted: {_first_line(err)}") from err
 
 
@@ -73,6 +76,38 @@ def check_state_files(paths: Iterable[Path], *, trust: bool = False) -> None:
         return
     for path in paths:
         load_state_file(path)
+
+
+def verify_state_file(path: str | os.PathLike) -> None:
+    """Check every record of a torch file against the CRC-32 torch's writer stored beside it in the file (a zip
+    archive), reading the file once: a changed byte anywhere in it is found. Files in torch's legacy format (no
+    checksums) pass unchecked.
+
+    Raises:
+        CheckpointError: naming the file and the record whose bytes changed.
+    """
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile:
+        if _is_legacy(path):
+            return
+        bad = "its directory of records"
+    except (OSError, EOFError) as err:
+        raise CheckpointError(f"'{path}' is unreadable: {_first_line(err)}") from err
+    if bad is not None:
+        raise CheckpointError(
+            f"'{path}' is corrupted: {bad} does not match the checksum written with it (a byte changed on the disk or"
+            " in a copy). Nothing was loaded. Copy the file again from where it came from, or resume from an earlier"
+            " checkpoint."
+        )
+
+
+def _is_legacy(path: Path) -> bool:
+    # torch's pre-1.6 format starts with a pickled magic number, not a zip header.
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x80\x02"
 
 
 def _load(path: Path, trust: bool) -> dict[str, Any]:
@@ -97,4 +132,11 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-__all__ = ["CheckpointError", "TRUST_OPT_IN", "UntrustedCheckpointError", "check_state_files", "load_state_file"]
+__all__ = [
+    "CheckpointError",
+    "TRUST_OPT_IN",
+    "UntrustedCheckpointError",
+    "check_state_files",
+    "load_state_file",
+    "verify_state_file",
+]

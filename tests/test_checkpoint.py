@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +210,76 @@ def test_interrupted_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path)
     assert all(torch.equal(state[k], v) for k, v in uninterrupted[1][0]["full_state"].items())
     with pytest.raises(CheckpointError, match="did not finish"):
         validate_checkpoint(staged)
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A tmpfs of a given size (bytes), made by the test; skipped where mounting is not allowed."""
+    mounts = []
+
+    def make(size: int) -> Path:
+        where = tmp_path / f"fs{len(mounts)}"
+        where.mkdir()
+        cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]
+        if shutil.which("mount") is None or subprocess.run(cmd, capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN)")
+        mounts.append(where)
+        return where
+
+    yield make
+    for where in mounts:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_a_save_that_runs_out_of_space_fails_clearly_and_leaves_the_previous_checkpoint_whole(
+    uninterrupted, small_file_system, tmp_path
+):
+    previous = uninterrupted[0] / "final"
+    size = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file())
+    where = small_file_system(2 * size + 1024 * 1024)
+    target = where / "last.ckpt"
+    shutil.copytree(previous, target)
+    # The rest filled but 16 KiB: the new save (1 rank, the same model, some 100 KiB) cannot finish.
+    with open(where / "filler", "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(where).free - 16 * 1024))
+    proc = fit(tmp_path, check=False, devices=1, steps=2, seed=7, save_at_end=str(target))
+    assert proc.returncode != 0
+    assert f"Saving the checkpoint to '{target}' failed" in proc.stderr and "free some or save elsewhere" in proc.stderr
+    assert not staging_path(target).exists()  # the partial copy gave its space back
+    validate_checkpoint(target)
+    state = consolidate_checkpoint(target)
+    assert all(torch.equal(state[k], v) for k, v in uninterrupted[1][0]["full_state"].items())
+
+
+def _flip_a_byte_of_a_tensor(path: Path) -> str:
+    """Change one byte in the middle of the largest tensor record of a torch file; returns the record's name."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        where = info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+        f.seek(where)
+        byte = f.read(1)[0]
+        f.seek(where)
+        f.write(bytes([byte ^ 0x10]))
+    return info.filename
+
+
+def test_a_changed_byte_in_a_state_file_is_reported_by_every_reader_naming_the_file(uninterrupted, tmp_path):
+    target = _copy(uninterrupted, tmp_path)
+    victim = sorted((target / "checkpoint").glob("*optim_states.pt"))[-1]
+    record = _flip_a_byte_of_a_tensor(victim)  # the size stays: the manifest sees nothing wrong
+    corrupted = rf"'{victim}' is corrupted: {record} does not match the checksum"
+    for read in (validate_checkpoint, consolidate_checkpoint, consolidate_optimizer_state):
+        with pytest.raises(CheckpointError, match=corrupted):
+            read(target)
+    # A 2-rank resume shares out the checking (rank 1 reads rank 1's optimizer state): rank 1 names the file, rank 0
+    # hears of it, and both stop before loading.
+    assert victim.name.startswith("bf16_zero_pp_rank_1_")
+    proc = fit(tmp_path / "fit", check=False, steps=12, ckpt_path=str(target), **RUN)
+    assert proc.returncode != 0 and f"'{victim}' is corrupted" in proc.stderr
+    assert "Another rank found a corrupted file" in proc.stderr
 
 
 def _copy(uninterrupted, tmp_path):

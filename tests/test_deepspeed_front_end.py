@@ -3,25 +3,32 @@ same optimizer options, inf/NaN skips everywhere and the durable checkpoints, an
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from tests.strategy_runs import load_ranks, run_script
+from tests.strategy_runs import SCRIPTS, _env, load_ranks, run_script
 
 
 def ds_run(out, **opts):
-    import json
-
     return run_script("ds_mlp.py", out, json.dumps(opts))
+
+
+# 6 steps with a checkpoint after 3 and an inf/NaN gradient at step 1.
+WHOLE = {"steps": 6, "save_at": 3, "nan_step": 1}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    whole, resumed = tmp_path_factory.mktemp("ds_whole"), tmp_path_factory.mktemp("ds_resumed")
-    ckpt = whole / "mid"
-    ds_run(whole, steps=6, save_at=3, save_path=str(ckpt), nan_step=1)
-    ds_run(resumed, steps=6, resume=str(ckpt), nan_step=1)
-    return load_ranks(whole), load_ranks(resumed)
+    """The whole run and its resume from the step-3 checkpoint, one after the other in the same 2 processes."""
+    out = tmp_path_factory.mktemp("ds")
+    ckpt = out / "whole" / "mid"
+    whole = {"name": "whole", "save_path": str(ckpt), **WHOLE}
+    ds_run(out, runs=[whole, {"name": "resumed", "steps": 6, "resume": str(ckpt), "nan_step": 1}])
+    return load_ranks(out / "whole"), load_ranks(out / "resumed")
 
 
 def test_a_torch_adamw_becomes_pure_bf16_at_8_bytes_per_param(runs):
@@ -80,6 +87,43 @@ def test_the_checkpoint_resumes_bit_for_bit(runs):
             assert torch.equal(x, y)
         for sa, sb in zip(a["state"].values(), b["state"].values()):
             assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+def test_torchrun_over_two_nodes_trains_and_saves_what_two_spawned_ranks_do(runs, tmp_path):
+    """``torchrun --nnodes 2 --nproc-per-node 1``, one launch per node with its ``--node-rank``, as a cluster runs it:
+    the same losses, weights, moments and checkpoint, bit for bit, as the 2 ranks spawned on one node."""
+    from lightning_pure_bf16 import consolidate_checkpoint
+    from lightning_pure_bf16.checkpoint import consolidate_optimizer_state
+
+    env = _env()
+    opts = json.dumps({**WHOLE, "save_path": str(tmp_path / "mid")})
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *rendezvous, env["MASTER_PORT"], "--node-rank", str(node)]
+            + [str(SCRIPTS / "ds_mlp.py"), str(tmp_path), opts],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for node in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0].decode(errors="replace")[-3000:] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    spawned, _ = runs
+    for a, b in zip(spawned, load_ranks(tmp_path)):
+        assert repr(b["losses"]) == repr(a["losses"]) and b["engine_skipped_steps"] == 1  # exact, NaN at step 1
+        # Where the partitions hold parameters (ZeRO-3 leaves its padding uninitialized).
+        assert all(torch.equal(x[m], y[m]) for x, y, m in zip(a["flat_params"], b["flat_params"], a["real"]))
+        for sa, sb, m in zip(a["state"].values(), b["state"].values(), a["real"]):
+            assert torch.equal(sa["exp_avg"][m], sb["exp_avg"][m]) and torch.equal(
+                sa["exp_avg_sq"][m], sb["exp_avg_sq"][m]
+            )
+    ours, theirs = consolidate_checkpoint(tmp_path / "mid"), consolidate_checkpoint(spawned[0]["save_path"])
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    ours, theirs = consolidate_optimizer_state(tmp_path / "mid"), consolidate_optimizer_state(spawned[0]["save_path"])
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name][k], theirs[name][k]) for name in ours for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
 def test_the_configs_optimizer_section_and_options_are_honoured(tmp_path):

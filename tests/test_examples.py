@@ -42,13 +42,6 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_train_gpt_script_reports_loss_throughput_and_memory():
-    proc = _run(["train_gpt.py", "--max-steps", "6", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4"])
-    out = proc.stdout + proc.stderr
-    assert "validation loss:" in out and "tokens/s over 2 process(es)" in out
-    assert "model state per parameter: 8.00 B/param" in out
-
-
 def test_train_gpt_script_with_states_in_files(tmp_path):
     small = ["--max-steps", "4", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4"]
     proc = _run(["train_gpt.py", *small, "--state-dir", str(tmp_path)])
@@ -75,10 +68,13 @@ def test_gpt_yaml_through_lightning_cli(tmp_path):
     assert "validation loss:" in out and "model state per parameter: 8.00 B/param" in out
 
 
-def test_gpt_example_resumes_mid_epoch_bit_for_bit(tmp_path):
+def test_gpt_example_reports_loss_throughput_and_memory_and_resumes_mid_epoch_bit_for_bit(tmp_path):
     # One epoch is --max-steps steps; the checkpoint at step 3 of 6 is mid-epoch.
     small = ["--max-steps", "6", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4", "--ckpt-every", "3"]
-    _run(["train_gpt.py", *small, "--ckpt-dir", str(tmp_path / "whole")])
+    proc = _run(["train_gpt.py", *small, "--ckpt-dir", str(tmp_path / "whole")])
+    out = proc.stdout + proc.stderr
+    assert "validation loss:" in out and "tokens/s over 2 process(es)" in out
+    assert "model state per parameter: 8.00 B/param" in out
     resume = ["--resume", str(tmp_path / "whole/step-3.ckpt")]
     proc = _run(["train_gpt.py", *small, "--ckpt-dir", str(tmp_path / "resumed"), *resume])
     assert "3 steps in" in proc.stdout + proc.stderr

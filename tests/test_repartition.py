@@ -44,13 +44,19 @@ def _resave(tmp_path_factory, name, ckpt, devices, steps=8, **extra):
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, source):
-    """2 -> 1 -> 2 ranks, and 2 -> 3 ranks with 64-element sub-groups (11 sub-groups instead of 2)."""
-    one, out1 = _resave(tmp_path_factory, "to1", source[0], devices=1)
-    two, _ = _resave(tmp_path_factory, "to2", one, devices=2)
-    three, out3 = _resave(
-        tmp_path_factory, "to3", source[0], devices=3, strategy={"rounding": "kahan", "sub_group_size": 64}
-    )
-    return {"1": one, "2": two, "3": three, "log1": out1, "log3": out3}
+    """The step-8 checkpoint loaded and saved again at once (before a step) by runs that then train on to step 11:
+    2 -> 1 rank with the states in files, and 2 -> 3 ranks with 64-element sub-groups (11 sub-groups instead of 2);
+    then 1 -> 2 ranks, saved again without training."""
+    runs = {}
+    files = {"state_storage": "mmap", "state_dir": str(tmp_path_factory.mktemp("mmap_states"))}
+    for hop, devices, strategy in (("1", 1, files), ("3", 3, {"sub_group_size": 64})):
+        out = tmp_path_factory.mktemp(f"to{hop}")
+        opts = {**RUN, "strategy": {**RUN["strategy"], **strategy}}
+        proc = fit(out, devices=devices, steps=11, ckpt_path=str(source[0]), save_at_start=str(out / "resaved"), **opts)
+        runs[hop], runs[f"log{hop}"] = out / "resaved", out
+        runs[f"continued{hop}"] = (load_ranks(out, devices)[0], proc.stdout + proc.stderr)
+    runs["2"], _ = _resave(tmp_path_factory, "to2", runs["1"], devices=2)
+    return runs
 
 
 def _assert_same_state(a, b):
@@ -96,14 +102,9 @@ def test_two_nodes_of_two_ranks_save_and_resume_on_one_node_and_one_rank_bit_for
 
 
 @pytest.fixture(scope="module")
-def continued(tmp_path_factory, source):
-    """The step-8 checkpoint continued to step 11 on 1 and on 3 ranks."""
-    runs = {}
-    for devices in (1, 3):
-        out = tmp_path_factory.mktemp(f"continued{devices}")
-        proc = fit(out, devices=devices, steps=11, ckpt_path=str(source[0]), **RUN)
-        runs[devices] = (load_ranks(out, devices)[0], proc.stdout + proc.stderr)
-    return runs
+def continued(chain):
+    """The step-8 checkpoint continued to step 11 on 1 rank (states in files) and on 3 (64-element sub-groups)."""
+    return {1: chain["continued1"], 3: chain["continued3"]}
 
 
 def test_training_continues_on_the_uninterrupted_curve(source, continued):
@@ -128,12 +129,9 @@ def test_the_log_says_the_checkpoint_was_repartitioned(continued):
     assert "exp_avg, exp_avg_sq, kahan_comp, step 7, 1 skipped steps" in log
 
 
-def test_repartition_into_state_files(tmp_path_factory, source):
-    state_dir = tmp_path_factory.mktemp("mmap_states")
-    strategy = {"rounding": "kahan", "state_storage": "mmap", "state_dir": str(state_dir)}
-    resaved, out = _resave(tmp_path_factory, "mmap", source[0], devices=1, strategy=strategy)
-    _assert_same_state(source[0], resaved)
-    assert all(f for files in load_ranks(out, 1)[0]["state_files"] for f in files.values())  # file-backed
+def test_repartition_into_state_files(chain):
+    # The 2 -> 1 hop loaded the checkpoint into states in files (its values are checked with the other hops).
+    assert all(f for files in load_ranks(chain["log1"], 1)[0]["state_files"] for f in files.values())  # file-backed
 
 
 def test_int8_states_repartitioned_into_state_files(tmp_path_factory):

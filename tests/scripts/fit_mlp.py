@@ -30,6 +30,16 @@ from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
 from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
 
 
+class SaveAtStart(Callback):
+    """Saves the state a resume restored, before the first step (a checkpoint loaded and saved again at once)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+
+
 class CaptureOptimizerState(Callback):
     """What the optimizer holds at the end of training, before the strategy's teardown closes "mmap" state files."""
 
@@ -162,6 +172,7 @@ def main(out: Path, opts: dict) -> None:
         logger=CSVLogger(out, name="logs"),
         enable_checkpointing=bool(opts.get("ckpt_every")),
         callbacks=[capture]
+        + ([SaveAtStart(opts["save_at_start"])] if opts.get("save_at_start") else [])
         + (
             [ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=opts["ckpt_every"], save_top_k=-1)]
             if opts.get("ckpt_every")
