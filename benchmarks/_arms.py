@@ -62,6 +62,18 @@ OURS = {
     "pure_bf16_int8_release": {"moments": "int8", "gradient_release": True},
 }
 REFERENCE = "ds_bf16_mixed"
+# Arms of optional peers: the package each needs and how to install it (a missing one is skipped with that line).
+NEEDS = {"fsdp2_torchao_sr": ("torchao", "pip install torchao")}
+
+
+def missing_peer(arm: str) -> str | None:
+    """Why ``arm`` cannot run here (its optional peer is not installed), or ``None``."""
+    import importlib.util
+
+    if arm not in NEEDS:
+        return None
+    package, install = NEEDS[arm]
+    return None if importlib.util.find_spec(package) else f"skipped: needs {package} (`{install}`)"
 
 
 @dataclass

@@ -15,8 +15,10 @@ def write_results(
         also: extensions of other files the benchmark wrote under the same stem (e.g. ``("png",)``), for the message.
     """
     out.mkdir(parents=True, exist_ok=True)
+    # Every key of every row, in the order first seen: an arm that failed or was skipped has fewer fields.
+    fields = list(dict.fromkeys(key for row in rows for key in row))
     with open(out / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(rows)
     (out / f"{stem}.md").write_text("\n".join(markdown) + "\n")

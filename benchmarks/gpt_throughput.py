@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arms import ARMS, REFERENCE, Spec, launch  # noqa: E402
+from _arms import ARMS, REFERENCE, Spec, launch, missing_peer  # noqa: E402
 from _results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for arm in args.arms:
+        missing = missing_peer(arm)
+        if missing:
+            print(f"{arm}: {missing}", file=sys.stderr, flush=True)
+            rows.append({"arm": arm, "ok": False, "why": missing, "skipped": True})
+            continue
         r = launch(arm, spec, timeout_s=1200)
         if not r["ok"]:
             print(f"{arm}: {r['why'][-3000:]}", file=sys.stderr, flush=True)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {r['peak_gib']:.2f} |"
         )
     write_results(out, stem, rows, lines, command)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] or r.get("skipped") for r in rows) else 1
 
 
 if __name__ == "__main__":

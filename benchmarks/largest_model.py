@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arms import ARMS, REFERENCE, Spec, launch  # noqa: E402
+from _arms import ARMS, REFERENCE, Spec, launch, missing_peer  # noqa: E402
 from _results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -194,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                 " not take the machine down. Choose a smaller budget."
             )
     args.n_layer = args.n_layer or (2 if args.quick else 4)
-    args.arms = args.arms or (QUICK_ARMS if args.quick else list(ARMS))
+    args.arms = list(args.arms or (QUICK_ARMS if args.quick else ARMS))
+    for arm in [a for a in args.arms if missing_peer(a)]:
+        print(f"{arm}: {missing_peer(arm)}", file=sys.stderr, flush=True)
+        args.arms.remove(arm)
     if args.world_size is None:
         import torch
 

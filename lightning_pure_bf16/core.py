@@ -59,6 +59,12 @@ ACCEPTED_PRECISION = ("32-true", "bf16-true")
 # DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
 GPU_BUCKET = 200_000_000
 CPU_BUCKET = 5_000_000
+# What ZeRO-3 keeps of the parameters it gathers: "layer" releases each layer after its forward and gathers it again
+# for its backward (the smallest peak, as FSDP2); "keep" is DeepSpeed's default, every layer gathered in the forward
+# held until its backward (2 bytes/param more at the peak, one all-gather fewer per step).
+GATHER_CACHES = ("layer", "keep")
+_LAYER_GATHER = {"stage3_max_reuse_distance": 0}
+_GATHER_KEYS = ("stage3_max_reuse_distance", "stage3_max_live_parameters", "stage3_prefetch_bucket_size")
 
 
 # The registered names, for the Trainer and for Fabric: (description, the strategy arguments they set).
@@ -177,6 +183,7 @@ class PureBF16Settings:
         reduce_bucket_size, allgather_bucket_size: the strategy's arguments (``None``: the device's default).
         gradient_release: update each parameter's partition as soon as its gradient is reduce-scattered
             (:mod:`lightning_pure_bf16.release`).
+        gather_cache: what ZeRO-3 keeps of the parameters it gathers (:data:`GATHER_CACHES`).
     """
 
     def __init__(
@@ -195,12 +202,15 @@ class PureBF16Settings:
         reduce_bucket_size: int | None,
         allgather_bucket_size: int | None,
         gradient_release: bool = False,
+        gather_cache: str = "layer",
     ) -> None:
         self.who = who
         self.strategy_name = strategy_name
         if not isinstance(gradient_release, bool):
             raise ValueError(f"`{who}(gradient_release={gradient_release!r})` must be True or False.")
         self.gradient_release = gradient_release
+        check_choice(who, "gather_cache", gather_cache, GATHER_CACHES)
+        self.gather_cache = gather_cache
         section, self.user_config = split_config_section(loaded_config, strategy_name=strategy_name)
         if state_storage == "memory" and "state_storage" in section:
             state_storage = section["state_storage"]
@@ -231,8 +241,21 @@ class PureBF16Settings:
         ]
 
     def deepspeed_config(self, base: dict[str, Any]) -> dict[str, Any]:
-        """Lightning's config from the strategy's arguments, with the user's merged over it and pure bf16 enforced."""
-        return pure_bf16_deepspeed_config(base, self.user_config, strategy_name=self.strategy_name)
+        """Lightning's config from the strategy's arguments, with the user's merged over it, pure bf16 enforced, and
+        ZeRO-3's gather cache set as ``gather_cache`` says where the user's config leaves it."""
+        config = pure_bf16_deepspeed_config(base, self.user_config, strategy_name=self.strategy_name)
+        if self.gather_cache == "layer":
+            zero = config["zero_optimization"]
+            for key, value in _LAYER_GATHER.items():
+                if key not in self.user_gather_settings:
+                    zero[key] = value
+        return config
+
+    @property
+    def user_gather_settings(self) -> dict[str, Any]:
+        """The ZeRO-3 gather-cache settings the user's config sets itself (kept as they are)."""
+        zero = (self.user_config or {}).get("zero_optimization", {})
+        return {key: zero[key] for key in _GATHER_KEYS if key in zero}
 
     def check_engine_config(self, config: dict[str, Any]) -> None:
         """With gradient release, refuse what the final DeepSpeed config asks that release cannot do (gradient
@@ -255,6 +278,7 @@ class PureBF16Settings:
         if on_cpu:
             for key in self.default_buckets:
                 config["zero_optimization"][key] = CPU_BUCKET
+        self._set_gather_cache(config["zero_optimization"], on_cpu)
         reason = precision.use_float32_matmul("cpu" if on_cpu else "cuda") if precision is not None else None
         if reason is not None:
             # ZeRO-3's memory-efficient linear is a custom autograd function whose backward products would stay bf16;
@@ -264,6 +288,31 @@ class PureBF16Settings:
                 f"{self.strategy_name}: {reason}: matrix products are computed in float32 from the bf16 values"
                 " (storage, gradients and optimizer states stay bf16; `cpu_matmul='bf16'` on the precision plugin"
                 " keeps them in bf16)."
+            )
+
+    def _set_gather_cache(self, zero: dict[str, Any], on_cpu: bool) -> None:
+        mine = self.user_gather_settings
+        if self.gather_cache == "layer" and on_cpu and "stage3_prefetch_bucket_size" not in mine:
+            # The CPU's collectives do not overlap computation: a prefetch would only hold the next layer sooner.
+            zero["stage3_prefetch_bucket_size"] = 0
+        if mine:
+            said = ", ".join(f"{k}={v}" for k, v in mine.items())
+            rank_zero_info(
+                f"{self.strategy_name}: ZeRO-3 keeps gathered parameters as your config says ({said});"
+                f" gather_cache={self.gather_cache!r} sets only what the config leaves out."
+            )
+        elif self.gather_cache == "layer":
+            rank_zero_info(
+                f"{self.strategy_name}: gather_cache='layer': each layer's gathered parameters are released after its"
+                " forward and gathered again for its backward (ZeRO-3 stage3_max_reuse_distance=0), as FSDP2 does:"
+                " about 2 bytes per parameter less at the peak of the step than keeping them, for one more all-gather"
+                " of the parameters per step (ZeRO-3's traffic 1.5x). `gather_cache='keep'` keeps them."
+            )
+        else:
+            rank_zero_info(
+                f"{self.strategy_name}: gather_cache='keep': ZeRO-3 keeps the parameters it gathers for the forward"
+                " until their backward (DeepSpeed's defaults): up to 2 bytes per parameter more at the peak of the"
+                " step than `gather_cache='layer'`, for one all-gather of the parameters per step fewer."
             )
 
     def prepare_cpu_loop(self, local_rank: int, barrier: Callable[[str], None]) -> None:
@@ -559,6 +608,7 @@ __all__ = [
     "destroy_process_group_at_exit",
     "device_rank",
     "gradient_release",
+    "GATHER_CACHES",
     "init_zero3_optimizer_state",
     "initialize_engine",
     "is_checkpoint",

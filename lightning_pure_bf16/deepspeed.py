@@ -86,6 +86,7 @@ OPTION_NAMES = (
     "seed",
     "backend",
     "gradient_release",
+    "gather_cache",
 )
 
 
@@ -129,6 +130,7 @@ def initialize(
     seed: int | None = None,
     backend: str = "auto",
     gradient_release: bool = False,
+    gather_cache: str = "layer",
     **kwargs: Any,
 ) -> tuple[Any, AdamW, Any, Any]:
     """``deepspeed.initialize`` in pure bf16: the same arguments and return value, plus the strategies' options.
@@ -140,7 +142,7 @@ def initialize(
             kept) or this package's ``AdamW``/``Adam``; without one, the config's ``"optimizer"`` section (type
             Adam or AdamW) or else ``AdamW(model_parameters)`` with its defaults is built. ``config`` may hold a
             ``"pure_bf16"`` section with ``state_storage`` and ``state_dir``, as the strategies' config does.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release: as
+        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache: as
             :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
         **kwargs: passed on to ``deepspeed.initialize`` (``collate_fn``, ``mpu``, ``dist_init_required``...).
 
@@ -183,6 +185,7 @@ def initialize(
         reduce_bucket_size=None,
         allgather_bucket_size=None,
         gradient_release=gradient_release,
+        gather_cache=gather_cache,
     )
     full = settings.deepspeed_config({"zero_optimization": {"stage": 3}})
     settings.check_engine_config(full)

@@ -52,7 +52,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
 
     The arguments are those of :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy` (``rounding``, ``seed``,
     ``backend``, ``config``, ``sub_group_size``, bucket sizes, ``state_storage``, ``state_dir``, ``moments``,
-    ``compensation``, ``gradient_release``), plus Fabric's (``accelerator``, ``parallel_devices``,
+    ``compensation``, ``gradient_release``, ``gather_cache``), plus Fabric's (``accelerator``, ``parallel_devices``,
     ``cluster_environment``, ``precision``, ``process_group_backend``, ``timeout``...).
 
     Differences from Fabric's ``DeepSpeedStrategy``, all following from pure bf16 on ZeRO-3:
@@ -86,6 +86,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         moments: str = "bf16",
         compensation: str = "bf16",
         gradient_release: bool = False,
+        gather_cache: str = "layer",
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
@@ -130,6 +131,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             reduce_bucket_size=reduce_bucket_size,
             allgather_bucket_size=allgather_bucket_size,
             gradient_release=gradient_release,
+            gather_cache=gather_cache,
         )
         self.config = self.settings.deepspeed_config(self.config)
         # Fabric clips when `fabric.clip_gradients` asks: without this, DeepSpeed's default (clip to norm 1.0) would

@@ -78,6 +78,12 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             accumulation, gradient clipping and states in files are refused with it; an inf/NaN gradient leaves its
             partition as it was instead of skipping the whole step (default: ``False``;
             ``strategy="deepspeed_pure_bf16_release"``, ``"deepspeed_pure_bf16_int8_release"``).
+        gather_cache: what ZeRO-3 keeps of the parameters it gathers: ``"layer"`` releases each layer's gathered
+            parameters after its forward and gathers them again for its backward, as FSDP2 does (the smallest peak,
+            one more all-gather of the parameters per step); ``"keep"`` holds every layer gathered in the forward until
+            its backward, DeepSpeed's default (up to 2 bytes/param more at the peak). ZeRO-3 settings of the user's
+            config (``stage3_max_reuse_distance``, ``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``)
+            are kept as they are (default: ``"layer"``).
         trust_checkpoint: resume from checkpoints without checking that none of their files needs code to be read
             (each file is otherwise read with torch's weights-only unpickler first, and one that needs more is
             refused). Only for checkpoints whose writer you trust: reading such a file can run any command. The
@@ -110,6 +116,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         moments: str = "bf16",
         compensation: str = "bf16",
         gradient_release: bool = False,
+        gather_cache: str = "layer",
         trust_checkpoint: bool = False,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -164,6 +171,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             reduce_bucket_size=reduce_bucket_size,
             allgather_bucket_size=allgather_bucket_size,
             gradient_release=gradient_release,
+            gather_cache=gather_cache,
         )
         self.config = self.settings.deepspeed_config(self.config)
         self.trust_checkpoint = bool(trust_checkpoint)

@@ -21,14 +21,27 @@ def ds_run(out, **opts):
 WHOLE = {"steps": 6, "save_at": 3, "nan_step": 1}
 
 
+# The optimizer from the config's section, with the front end's options.
+SECTION = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.99], "weight_decay": 0.01}}}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The whole run and its resume from the step-3 checkpoint, one after the other in the same 2 processes."""
+def ds_out(tmp_path_factory):
+    """One after the other in the same 2 processes: the whole run, its resume from the step-3 checkpoint, and a run
+    with the config's optimizer section."""
     out = tmp_path_factory.mktemp("ds")
     ckpt = out / "whole" / "mid"
     whole = {"name": "whole", "save_path": str(ckpt), **WHOLE}
-    ds_run(out, runs=[whole, {"name": "resumed", "steps": 6, "resume": str(ckpt), "nan_step": 1}])
-    return load_ranks(out / "whole"), load_ranks(out / "resumed")
+    resumed = {"name": "resumed", "steps": 6, "resume": str(ckpt), "nan_step": 1}
+    options = {"moments": "int8", "rounding": "kahan"}
+    section = {"name": "section", "steps": 2, "optimizer": "none", "config": SECTION, "options": options}
+    ds_run(out, runs=[whole, resumed, section])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(ds_out):
+    return load_ranks(ds_out / "whole"), load_ranks(ds_out / "resumed")
 
 
 def test_a_torch_adamw_becomes_pure_bf16_at_8_bytes_per_param(runs):
@@ -126,10 +139,8 @@ def test_torchrun_over_two_nodes_trains_and_saves_what_two_spawned_ranks_do(runs
     assert all(torch.equal(ours[name][k], theirs[name][k]) for name in ours for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
-def test_the_configs_optimizer_section_and_options_are_honoured(tmp_path):
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.99], "weight_decay": 0.01}}}
-    ds_run(tmp_path, steps=2, optimizer="none", config=config, options={"moments": "int8", "rounding": "kahan"})
-    for r in load_ranks(tmp_path):
+def test_the_configs_optimizer_section_and_options_are_honoured(ds_out):
+    for r in load_ranks(ds_out / "section"):
         assert r["optimizer_class"] == "AdamW" and r["lr"] == [3e-3]
         assert r["rounding"] == ["kahan"]
         assert r["memory_report"]["total"] == pytest.approx(2 + 2 + 2 * (1 + 2 / 128) + 2, abs=0.02)  # + Kahan
@@ -157,14 +168,15 @@ def test_what_contradicts_pure_bf16_is_refused_before_anything_is_set_up(config,
     assert not dist.is_initialized()  # refused before the process group
 
 
-@pytest.mark.parametrize("stage", [3, 1])
-def test_deepspeeds_own_initialize_with_float32_masters_is_refused_not_trained_wide(tmp_path, stage):
+def test_deepspeeds_own_initialize_with_float32_masters_is_refused_not_trained_wide(tmp_path):
     # The silent path: the package's optimizer inside DeepSpeed's bf16 mixed precision gets float32 master
-    # partitions (16 bytes/param): refused at the first step, before any weight or state changes.
-    ds_run(tmp_path, plain_deepspeed=True, stage=stage)
-    for r in load_ranks(tmp_path):
-        assert r["error"] is not None and "float32 master weights" in r["error"]
-        assert "16 bytes/param" in r["error"] and "lightning_pure_bf16.deepspeed.initialize" in r["error"]
+    # partitions (16 bytes/param): refused at the first step, before any weight or state changes. ZeRO stages 1 and
+    # 3, one after the other in the same 2 processes.
+    ds_run(tmp_path, runs=[{"name": f"stage{stage}", "plain_deepspeed": True, "stage": stage} for stage in (1, 3)])
+    for stage in (1, 3):
+        for r in load_ranks(tmp_path / f"stage{stage}"):
+            assert r["error"] is not None and "float32 master weights" in r["error"], stage
+            assert "16 bytes/param" in r["error"] and "lightning_pure_bf16.deepspeed.initialize" in r["error"]
 
 
 def test_checkpoint_functions_refuse_an_engine_they_did_not_make():

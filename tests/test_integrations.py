@@ -133,7 +133,9 @@ def test_the_optimizer_given_to_the_trainer_is_used_not_replaced(tmp_path):
     assert rank["weight_decay"] == [0.0] and rank["lr"] == [pytest.approx(1e-3)]  # its group, its scheduler (x0.5)
 
 
-@pytest.mark.parametrize("option", [{"rounding": "up"}, {"moments": "int4"}, {"state_storage": "nvme"}])
+@pytest.mark.parametrize(
+    "option", [{"rounding": "up"}, {"moments": "int4"}, {"state_storage": "nvme"}, {"gather_cache": "all"}]
+)
 def test_bad_options_are_refused_with_the_words_of_the_other_front_ends(option, tmp_path):
     import torch.distributed as dist
     from transformers import TrainingArguments

@@ -43,8 +43,8 @@ class PureBF16Accelerator(accelerate.Accelerator):
             ``deepspeed_plugin`` defaults to ``DeepSpeedPlugin(zero_stage=3)`` (with ``gradient_clipping=0.0`` under
             gradient release); ``cpu=True`` (or no CUDA device)
             runs DeepSpeed on the CPU over gloo.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release: keyword options, as
-            :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
+        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache:
+            keyword options, as :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
 
     Raises:
         ValueError: a bad option, another ``mixed_precision``, or no DeepSpeed, before Accelerate is set up.

@@ -71,8 +71,8 @@ class PureBF16Trainer(transformers.Trainer):
             ``deepspeed`` set (:func:`deepspeed_config`, a dict or a JSON file); ``optim`` an AdamW
             (``"adamw_torch"``, the default, or ``"adamw_torch_fused"``). ``optimizers=(optimizer, scheduler)`` may
             give a torch ``AdamW``/``Adam`` or a ``lightning_pure_bf16.AdamW`` and a scheduler on it.
-        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release: keyword options, as
-            :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
+        rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache:
+            keyword options, as :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
 
     Raises:
         ValueError: a bad option, ``TrainingArguments`` without DeepSpeed or bf16, or another optimizer choice,
