@@ -119,11 +119,11 @@ def search(arm: str, grid: list[int], start: int, args: argparse.Namespace, trie
 
 
 def planner_largest(
-    budget_gib: float, world_size: int, margin_gib: float, device: str, layers: int
+    budget_gib: float, world_size: int, margin_gib: float, device: str, layers: int, gather_cache: str = "layer"
 ) -> dict[str, float]:
     """The largest model ``python -m lightning_pure_bf16.plan`` says fits each of its configurations, for a budget of
-    ``budget_gib`` over ``world_size`` devices, a margin of ``margin_gib`` per device and the device's buckets
-    (bisection on params)."""
+    ``budget_gib`` over ``world_size`` devices, a margin of ``margin_gib`` per device, the device's buckets and the
+    strategies' ``gather_cache`` (bisection on params)."""
     from lightning_pure_bf16.core import CPU_BUCKET, GPU_BUCKET
     from lightning_pure_bf16.plan import plan
 
@@ -134,7 +134,15 @@ def planner_largest(
         lo, hi = 1e5, 1e13
         while hi / lo > 1.001:
             mid = math.sqrt(lo * hi)
-            p = plan(mid, world_size, per_gpu, activation_margin_gib=margin_gib, reduce_bucket=bucket, layers=layers)
+            p = plan(
+                mid,
+                world_size,
+                per_gpu,
+                activation_margin_gib=margin_gib,
+                reduce_bucket=bucket,
+                layers=layers,
+                gather_cache=gather_cache,
+            )
             lo, hi = (mid, hi) if p.fits[config] else (lo, mid)
         out[config] = lo
     return out

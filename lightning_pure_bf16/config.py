@@ -5,6 +5,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+# What ZeRO-3 keeps of the parameters it gathers (the front ends' ``gather_cache``): "layer" releases each layer after
+# its forward and gathers it again for its backward (the smallest peak, as FSDP2); "keep" is DeepSpeed's default,
+# every layer gathered in the forward held until its backward (2 bytes/param more at the peak, one all-gather fewer
+# per step).
+GATHER_CACHES = ("layer", "keep")
+
 # What pure bf16 needs from DeepSpeed: bf16 everywhere, bf16 master weights/grads (aliased to the parameter partition
 # by the strategy) and bf16 optimizer states; a client optimizer under ZeRO must be explicitly allowed.
 _REQUIRED: dict[str, Any] = {
@@ -111,4 +117,10 @@ def pure_bf16_deepspeed_config(
     return _merge(merged, _REQUIRED)
 
 
-__all__ = ["CONFIG_SECTION", "CONFIG_SECTION_KEYS", "pure_bf16_deepspeed_config", "split_config_section"]
+__all__ = [
+    "CONFIG_SECTION",
+    "CONFIG_SECTION_KEYS",
+    "GATHER_CACHES",
+    "pure_bf16_deepspeed_config",
+    "split_config_section",
+]

@@ -34,7 +34,12 @@ from lightning_pure_bf16.checkpoint import (
     validate_checkpoint,
     write_latest_tag,
 )
-from lightning_pure_bf16.config import CONFIG_SECTION, pure_bf16_deepspeed_config, split_config_section
+from lightning_pure_bf16.config import (
+    CONFIG_SECTION,
+    GATHER_CACHES,
+    pure_bf16_deepspeed_config,
+    split_config_section,
+)
 from lightning_pure_bf16.memory import PeakMeter, format_peak, format_report, peak_report, zero3_model_state_report
 from lightning_pure_bf16.optim import AdamW, fused_cpu_available
 from lightning_pure_bf16.optim.options import (
@@ -59,10 +64,7 @@ ACCEPTED_PRECISION = ("32-true", "bf16-true")
 # DeepSpeed's default communication buckets (elements); on the CPU a bucket this large dominates every step.
 GPU_BUCKET = 200_000_000
 CPU_BUCKET = 5_000_000
-# What ZeRO-3 keeps of the parameters it gathers: "layer" releases each layer after its forward and gathers it again
-# for its backward (the smallest peak, as FSDP2); "keep" is DeepSpeed's default, every layer gathered in the forward
-# held until its backward (2 bytes/param more at the peak, one all-gather fewer per step).
-GATHER_CACHES = ("layer", "keep")
+# ZeRO-3's settings of gather_cache="layer" (config.GATHER_CACHES), and the keys a user's config may set instead.
 _LAYER_GATHER = {"stage3_max_reuse_distance": 0}
 _GATHER_KEYS = ("stage3_max_reuse_distance", "stage3_max_live_parameters", "stage3_prefetch_bucket_size")
 
@@ -608,7 +610,6 @@ __all__ = [
     "destroy_process_group_at_exit",
     "device_rank",
     "gradient_release",
-    "GATHER_CACHES",
     "init_zero3_optimizer_state",
     "initialize_engine",
     "is_checkpoint",

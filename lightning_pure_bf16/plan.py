@@ -4,8 +4,9 @@ Per-GPU memory for ZeRO-3 training under six configurations: this strategy with 
 compensation, each with optimizer states in device memory or in memory-mapped files (``state_storage="mmap"``),
 DeepSpeed's bf16-master flags, and DeepSpeed's bf16 mixed precision. Model state is the measured bytes per parameter
 (``lightning_pure_bf16.memory.MODEL_STATE_BYTES``; ``STATE_FILE_BYTES`` for the files), sharded over the GPUs; on
-top come the optimizer step's transients, ZeRO-3's gathered-parameter working set and communication buckets
-(DeepSpeed's defaults), one layer's working set in the backward (``--layers``), and a stated
+top come the optimizer step's transients, ZeRO-3's gathered parameters (this strategy's ``gather_cache``: one layer
+by default, the whole model up to ZeRO-3's live-parameter limit with ``--gather-cache keep`` and for DeepSpeed's own
+configurations), its communication buckets, one layer's working set in the backward (``--layers``), and a stated
 margin for activations, the CUDA context and allocator fragmentation, which this planner does not estimate. For the
 "mmap" configurations it also gives the disk space per node and, with ``--disk-gbps``, the time each optimizer step
 spends streaming the states (read once, written once), a lower bound that the disk sets.
@@ -19,6 +20,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
+from lightning_pure_bf16.config import GATHER_CACHES
 from lightning_pure_bf16.memory import FROZEN_BYTES, MODEL_STATE_BYTES, STATE_FILE_BYTES, bytes_per_param
 from lightning_pure_bf16.optim.mmap_states import DEFAULT_STATE_CHUNK
 
@@ -89,6 +91,8 @@ class Plan:
     disk_gbps: float | None
     disk_seconds_per_step: dict[str, float | None]
     layers: int = DEFAULT_LAYERS
+    gather_cache: str = "layer"
+    deepspeed_working_buffers_gib: float = 0.0
 
 
 def plan(
@@ -102,6 +106,7 @@ def plan(
     disk_gbps: float | None = None,
     reduce_bucket: int = REDUCE_BUCKET,
     layers: int = DEFAULT_LAYERS,
+    gather_cache: str = "layer",
 ) -> Plan:
     """Per-GPU memory of each configuration and whether it fits.
 
@@ -119,6 +124,9 @@ def plan(
         reduce_bucket: ZeRO-3's gradient reduce bucket in elements (default: DeepSpeed's, 2e8; the strategies use
             5e6 on the CPU).
         layers: the model's layers, of equal size: the backward holds one layer's working set (default: 32).
+        gather_cache: this strategy's ``gather_cache``: ``"layer"`` keeps one layer gathered at a time, ``"keep"``
+            every gathered layer up to ZeRO-3's live-parameter limit, as DeepSpeed's own configurations always do
+            (default: ``"layer"``, the strategies' default).
 
     Raises:
         ValueError: for non-positive sizes or a fraction outside [0, 1).
@@ -139,15 +147,22 @@ def plan(
         raise ValueError(f"--gpus-per-node must be between 1 and --gpus ({gpus}), got {per_node}.")
     if layers < 1:
         raise ValueError(f"--layers must be at least 1, got {layers}.")
+    if gather_cache not in GATHER_CACHES:
+        raise ValueError(f"--gather-cache must be one of {GATHER_CACHES}, got {gather_cache!r}.")
     if disk_gbps is not None and not (disk_gbps > 0 and math.isfinite(disk_gbps)):
         raise ValueError(f"--disk-gbps must be a positive number of GB/s, got {disk_gbps!r}.")
     trainable, frozen = params * (1 - frozen_fraction), params * frozen_fraction
+
     # Gathered bf16 parameters plus the prefetch and reduce buckets, and the backward's working set of one layer.
     # ZeRO-3 frees gathered layers only once a module's use leaves more than its live-parameter limit alive, so up to
     # the limit plus one layer stay gathered (`benchmarks/largest_model.py`: with the layer counted, the predictions
     # above 1e9 parameters fall inside the measured brackets; without it, they were 4% over).
-    buffers = 2 * (min(params, MAX_LIVE_PARAMETERS + params / layers) + PREFETCH_BUCKET + reduce_bucket) / GIB
-    buffers += LAYER_WORKING_BYTES * params / layers / GIB
+    # With gather_cache="layer" (this strategy's default) each layer is released after its use: one layer gathered.
+    def working(cache: str) -> float:
+        gathered = min(params, MAX_LIVE_PARAMETERS + params / layers) if cache == "keep" else params / layers
+        return (2 * (gathered + PREFETCH_BUCKET + reduce_bucket) + LAYER_WORKING_BYTES * params / layers) / GIB
+
+    buffers, deepspeed_buffers = working(gather_cache), working("keep")
     sub_group = min(trainable / gpus, SUB_GROUP_SIZE)
     bpp, state, total, fits, files, seconds = {}, {}, {}, {}, {}, {}
     for config in MODEL_STATE_BYTES:
@@ -156,7 +171,8 @@ def plan(
         state[config] = state_bytes / GIB
         staging = MMAP_STAGING_BYTES / GIB if config in STATE_FILE_BYTES else 0.0
         step = STEP_TRANSIENT_BYTES[config] * sub_group / GIB
-        total[config] = state[config] + step + buffers + staging + margin
+        ours = not config.startswith("deepspeed_")
+        total[config] = state[config] + step + (buffers if ours else deepspeed_buffers) + staging + margin
         fits[config] = total[config] <= gpu_memory_gib
         file_bytes = trainable * STATE_FILE_BYTES.get(config, 0) / gpus * per_node
         files[config] = file_bytes / GIB
@@ -178,6 +194,8 @@ def plan(
         disk_gbps,
         seconds,
         layers,
+        gather_cache,
+        deepspeed_buffers,
     )
 
 
@@ -196,7 +214,8 @@ def _format(p: Plan) -> str:
     lines += [
         "",
         "total = model state + the optimizer step's transients (per configuration) +"
-        f" {p.working_buffers_gib:.1f} GiB ZeRO-3 gathered parameters, buckets (DeepSpeed defaults) and one layer's"
+        f" {p.working_buffers_gib:.1f} GiB ZeRO-3 gathered parameters (gather_cache={p.gather_cache!r}; DeepSpeed's"
+        f" rows keep every gathered layer: {p.deepspeed_working_buffers_gib:.1f} GiB), buckets and one layer's"
         f" backward working set (of {p.layers}; set --layers) + {p.activation_margin_gib:.1f} GiB margin for"
         " activations, CUDA context and fragmentation (not estimated; set --activation-margin-gib); mmap rows add"
         f" {MMAP_STAGING_BYTES / 1024**2:.0f} MiB of streaming slots.",
@@ -224,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs sharing one disk (default: up to 8)")
     parser.add_argument("--disk-gbps", type=float, default=None, help="disk bandwidth per node for the mmap rows")
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="layers of the model (default 32)")
+    parser.add_argument(
+        "--gather-cache", choices=GATHER_CACHES, default="layer", help="the strategy's gather_cache (default layer)"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
@@ -236,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus_per_node=args.gpus_per_node,
             disk_gbps=args.disk_gbps,
             layers=args.layers,
+            gather_cache=args.gather_cache,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -44,9 +44,9 @@ def test_the_step_and_one_layer_are_counted():
     # DeepSpeed's bf16 mixed step adds a float32 (and a bf16) copy of the sub-group's gradient; this package nothing
     # that grows with the model. One layer's gradients in the backward, and one layer gathered beyond ZeRO-3's
     # live-parameter limit (1e9): fewer, larger layers cost more, twice 2 bytes per parameter of the larger layer.
-    a, b = plan(7e9, 8, 80, layers=32), plan(7e9, 8, 80, layers=8)
+    a, b = plan(7e9, 8, 80, layers=32, gather_cache="keep"), plan(7e9, 8, 80, layers=8, gather_cache="keep")
     assert b.working_buffers_gib - a.working_buffers_gib == pytest.approx(2 * 2 * 7e9 * (1 / 8 - 1 / 32) / GIB)
-    small = plan(0.5e9, 8, 80, layers=2)  # under the limit: the whole model gathered, no more
+    small = plan(0.5e9, 8, 80, layers=2, gather_cache="keep")  # under the limit: the whole model gathered, no more
     assert small.working_buffers_gib == pytest.approx((2 * (0.5e9 + 50_000_000 + 200_000_000) + 2 * 0.5e9 / 2) / GIB)
     mixed = a.per_gpu_total_gib["deepspeed_bf16_mixed"] - a.per_gpu_model_state_gib["deepspeed_bf16_mixed"]
     ours = a.per_gpu_total_gib["pure_bf16_stochastic"] - a.per_gpu_model_state_gib["pure_bf16_stochastic"]
@@ -114,6 +114,20 @@ def test_json_output():
     assert out["fits"]["pure_bf16_int8"] is True and out["layers"] == 32
 
 
+def test_with_the_default_gather_cache_one_layer_is_gathered_and_deepspeeds_rows_keep_every_layer():
+    layer, keep = plan(7e9, 8, 80, layers=32), plan(7e9, 8, 80, layers=32, gather_cache="keep")
+    assert layer.gather_cache == "layer"
+    # keep: the live-parameter limit (1e9) plus one layer gathered; layer: one layer. 2 bytes each.
+    assert keep.working_buffers_gib - layer.working_buffers_gib == pytest.approx(2 * 1e9 / GIB)
+    assert layer.deepspeed_working_buffers_gib == keep.working_buffers_gib == keep.deepspeed_working_buffers_gib
+    for config in ("deepspeed_bf16_mixed", "deepspeed_bf16_master"):
+        assert layer.per_gpu_total_gib[config] == keep.per_gpu_total_gib[config]
+    ours = layer.per_gpu_total_gib["pure_bf16_stochastic"]
+    assert keep.per_gpu_total_gib["pure_bf16_stochastic"] - ours == pytest.approx(2 * 1e9 / GIB)
+    with pytest.raises(ValueError, match="--gather-cache must be one of"):
+        plan(7e9, 8, 80, gather_cache="all")
+
+
 def test_planner_agrees_with_measured_memory(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick", "--out", str(tmp_path)]
     subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
@@ -150,7 +164,8 @@ def test_planner_predicts_inside_the_measured_brackets_of_the_largest_model_sear
     with open(ROOT / "benchmarks" / "results" / "largest_model.csv") as f:
         rows = list(csv.DictReader(f))
     margin = max(float(r["before_model_gib"]) for r in rows)
-    predicted = planner_largest(12.0, 2, margin, "cpu", layers=4)
+    # Measured before gather_cache="layer" became the default: with DeepSpeed's cache of gathered layers.
+    predicted = planner_largest(12.0, 2, margin, "cpu", layers=4, gather_cache="keep")
     for arm, config in PLANNER_CONFIG.items():
         fitted = max(int(r["params"]) for r in rows if r["arm"] == arm and r["fits"] == "True")
         failed = min(
