@@ -197,18 +197,29 @@ def peak_report(meter: PeakMeter, model_state: dict[str, float]) -> dict[str, An
         "at_setup_gib": at_setup / 1024**3,
         "above_setup_per_param": max(peak - at_setup, 0) / n,
         "model_state_per_param": model_state["total"],
+        "params_on_rank": n,
     }
+
+
+# Below this much model state on a rank, what a step adds above setup is mostly fixed costs (buckets, the process's own
+# allocations), and a figure per parameter of the partition would mislead (a small model shows hundreds of bytes).
+PER_PARAM_MIN_STATE_GIB = 1.0
 
 
 def format_peak(peak: dict[str, Any] | None) -> str:
     """One line for the end of a fit."""
     if peak is None:
         return "no peak measured here (the CPU's resident high-water mark cannot be reset on this system)"
-    return (
+    line = (
         f"{peak['peak_gib']:.2f} GiB at the peak ({peak['source']}), {peak['peak_gib'] - peak['at_setup_gib']:.2f} GiB"
-        f" above the memory at setup: {peak['above_setup_per_param']:.2f} B per parameter of this rank's partition on"
-        f" top of {peak['model_state_per_param']:.2f} B/param of model state (activations, gathered layers,"
-        " communication buckets and the step's temporaries; fixed costs included, which dominate for a small model)"
+        " above the memory at setup (activations, gathered layers, communication buckets and the step's temporaries)"
+    )
+    params = peak.get("params_on_rank", 0.0)
+    if peak["model_state_per_param"] * params / 1024**3 < PER_PARAM_MIN_STATE_GIB:
+        return line + f"; at {params:,.0f} parameters on this rank fixed costs dominate, so no figure per parameter"
+    return (
+        line + f": {peak['above_setup_per_param']:.2f} B per parameter of this rank's partition on top of"
+        f" {peak['model_state_per_param']:.2f} B/param of model state"
     )
 
 

@@ -202,7 +202,7 @@ def test_the_peak_of_the_fit_is_measured_and_logged_beside_model_state(default_o
         assert peak["model_state_per_param"] == r["memory_report"]["total"] == 8.0
         assert peak["above_setup_per_param"] >= 0
     log = (default_out / "log.txt").read_text()
-    assert "memory of rank 0 during the fit:" in log and "B per parameter of this rank's partition on top" in log
+    assert "memory of rank 0 during the fit:" in log and "GiB at the peak" in log and "no figure per parameter" in log
 
 
 def test_cpu_loop_is_ready_before_the_first_step(default_run):
