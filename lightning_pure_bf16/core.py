@@ -243,15 +243,8 @@ class PureBF16Settings:
         ]
 
     def deepspeed_config(self, base: dict[str, Any]) -> dict[str, Any]:
-        """Lightning's config from the strategy's arguments, with the user's merged over it, pure bf16 enforced, and
-        ZeRO-3's gather cache set as ``gather_cache`` says where the user's config leaves it."""
-        config = pure_bf16_deepspeed_config(base, self.user_config, strategy_name=self.strategy_name)
-        if self.gather_cache == "layer":
-            zero = config["zero_optimization"]
-            for key, value in _LAYER_GATHER.items():
-                if key not in self.user_gather_settings:
-                    zero[key] = value
-        return config
+        """Lightning's config from the strategy's arguments, with the user's merged over it and pure bf16 enforced."""
+        return pure_bf16_deepspeed_config(base, self.user_config, strategy_name=self.strategy_name)
 
     @property
     def user_gather_settings(self) -> dict[str, Any]:
@@ -293,10 +286,12 @@ class PureBF16Settings:
             )
 
     def _set_gather_cache(self, zero: dict[str, Any], on_cpu: bool) -> None:
+        """ZeRO-3's gather cache as ``gather_cache`` says, where the user's config leaves it, logged once."""
         mine = self.user_gather_settings
-        if self.gather_cache == "layer" and on_cpu and "stage3_prefetch_bucket_size" not in mine:
-            # The CPU's collectives do not overlap computation: a prefetch would only hold the next layer sooner.
-            zero["stage3_prefetch_bucket_size"] = 0
+        if self.gather_cache == "layer":
+            # On the CPU, whose collectives do not overlap computation, a prefetch only holds the next layer sooner.
+            settings = {**_LAYER_GATHER, **({"stage3_prefetch_bucket_size": 0} if on_cpu else {})}
+            zero.update({key: value for key, value in settings.items() if key not in mine})
         if mine:
             said = ", ".join(f"{k}={v}" for k, v in mine.items())
             rank_zero_info(

@@ -74,6 +74,12 @@ class UpdateArgs:
         )
 
 
+def intercepts_operations(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass that routes operations through its own ``__torch_dispatch__`` (a DTensor of
+    FSDP2 or tensor parallelism, for one): it may hold no memory of its own, so no kernel may write its raw memory."""
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
@@ -210,4 +216,11 @@ def adamw_update_torch_(
             t.copy_(flat.view(t.shape))
 
 
-__all__ = ["DEFAULT_CHUNK", "ROUNDING_MODES", "KernelScalars", "UpdateArgs", "adamw_update_torch_"]
+__all__ = [
+    "DEFAULT_CHUNK",
+    "ROUNDING_MODES",
+    "KernelScalars",
+    "UpdateArgs",
+    "adamw_update_torch_",
+    "intercepts_operations",
+]

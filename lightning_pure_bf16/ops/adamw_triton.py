@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from lightning_pure_bf16.ops import quant, rng
-from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
+from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, intercepts_operations
 
 # 1024 elements per program: 4 warps x 32 lanes x 8 elements, 16-byte bf16 vectors per lane on the GPU.
 BLOCK_SIZE = 1024
@@ -336,7 +336,7 @@ def adamw_update_triton_(
     for name, (t, dtype, numel) in expected.items():
         if t is None:
             raise ValueError(f"The Triton AdamW kernel needs `{name}`.")
-        if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        if intercepts_operations(t):
             raise ValueError(
                 f"The Triton AdamW kernel writes raw memory; `{name}` is a {type(t).__name__}, a tensor subclass"
                 " without memory of its own (pass its local tensor, `.to_local()`, or a plain tensor)."

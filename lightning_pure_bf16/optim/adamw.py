@@ -25,7 +25,13 @@ from lightning_pure_bf16.ops.adamw_cpu import (
     can_use_fused_cpu,
     fused_cpu_available,
 )
-from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK, ROUNDING_MODES, UpdateArgs, adamw_update_torch_
+from lightning_pure_bf16.ops.adamw_torch import (
+    DEFAULT_CHUNK,
+    ROUNDING_MODES,
+    UpdateArgs,
+    adamw_update_torch_,
+    intercepts_operations,
+)
 from lightning_pure_bf16.ops.rng import Buffer, draw_seed, random_bits, stream_key
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
@@ -85,22 +91,15 @@ def _triton_can_run(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _refuse_what_the_update_cannot_take(name: str, t: torch.Tensor, what: str) -> None:
-    """The update writes each element in place, through raw memory on the CPU and in Triton. A tensor subclass that
-    routes operations through ``__torch_dispatch__`` (FSDP2's and tensor parallelism's DTensor, for one: it holds no
-    memory of its own) would be written past, or crash the CPU loop; a meta tensor has no values to update."""
-    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+def _refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:
+    """The update writes each element in place, through raw memory on the CPU and in Triton: a tensor subclass that
+    intercepts operations (FSDP2's DTensor holds no memory of its own) would be written past, or crash the CPU loop."""
+    if intercepts_operations(t):
         raise TypeError(
             f"{name} updates plain tensors in place; {what} of shape {tuple(t.shape)} is a {type(t).__name__}, a tensor"
             " subclass that holds no memory of its own or intercepts operations (FSDP2's `fully_shard` and tensor"
             " parallelism make DTensors). Train with `strategy='deepspeed_pure_bf16'`, which shards the parameters"
             " itself, or give the optimizer plain tensors."
-        )
-    if t.is_meta:
-        raise RuntimeError(
-            f"{name}: {what} of shape {tuple(t.shape)} is on the meta device and has no values to update. Materialize"
-            " the model first (`model.to_empty(device=...)`, then initialize its weights) and build the optimizer over"
-            " its parameters."
         )
 
 
@@ -265,8 +264,8 @@ class AdamW(Optimizer):
             params = [params]
         for p in params:
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # a named parameter
-            if isinstance(p, torch.Tensor) and type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-                _refuse_what_the_update_cannot_take(type(self).__name__, p, "a parameter")
+            if isinstance(p, torch.Tensor):
+                _refuse_subclass(type(self).__name__, p, "a parameter")
             if isinstance(p, torch.Tensor) and p.dtype not in (torch.bfloat16, torch.float32):
                 raise TypeError(
                     f"{type(self).__name__} supports bfloat16 and float32 parameters, got a {p.dtype} parameter of"
@@ -622,8 +621,16 @@ class AdamW(Optimizer):
 
     def _pick_backend(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> str:
         grad = p.grad if grad is None else grad
-        _refuse_what_the_update_cannot_take(type(self).__name__, p, "a parameter")
-        _refuse_what_the_update_cannot_take(type(self).__name__, grad, "the gradient of a parameter")
+        name = type(self).__name__
+        _refuse_subclass(name, p, "a parameter")
+        _refuse_subclass(name, grad, "the gradient of a parameter")
+        if p.is_meta or grad.is_meta:
+            what = "a parameter" if p.is_meta else "the gradient of a parameter"
+            raise RuntimeError(
+                f"{name}: {what} of shape {tuple(p.shape)} is on the meta device and has no values to update."
+                " Materialize the model first (`model.to_empty(device=...)`, then initialize its weights) and build"
+                " the optimizer over its parameters."
+            )
         if grad.is_sparse:
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients (a parameter of shape {tuple(p.shape)} has"
