@@ -24,21 +24,28 @@ Writes benchmarks/results/convergence_int8{,_quick}.{csv,md,png}.
 
 ``--study width`` is the quality check at width: a GPT of 10.9M parameters (6 layers x 384) trained on 2M tokens
 (1000 steps of 16 x 128 bytes) at the example's peak lr (1e-3) with its warm-up (50 steps) and cosine decay to 10%,
-three ways: DeepSpeed's bf16 mixed precision arithmetic (bf16 weights and gradients, fp32 master weights and fp32
-moments updated by torch AdamW, the master rounded to nearest into the weights: the fp32-master reference), and this
-package's stochastic rounding and 8-bit moments. ``--gpu`` is the same study for GPT-2 124M (12 x 768, 1024-byte
-context) on a CUDA machine.
+in every arm of ``_quality_arms.STUDY_ARMS`` (fp32 masters, this package's four formats, the peers, two attribution
+arms) at two seeds (per seed the same initial weights and data order in every arm). ``--study finetune`` starts
+from the width study's fp32-masters model and fine-tunes it on other text (the interpreter's documentation topics,
+prose instead of source) for 300 steps at lr 1e-5 and 3e-5, in every arm, two seeds. Each finished run is kept in
+``<stem>_runs.json`` and the tables are rewritten from it; a rerun skips the runs already there and resumes an
+interrupted one from its last evaluation, so a study completes over several sittings. A peer that is not installed
+(torchao, llama-cookbook) is skipped with the line that installs it. ``--gpu`` is the width study for GPT-2 124M
+(12 x 768, 1024-byte context) on a CUDA machine.
 
-    python benchmarks/convergence.py --study width             # ~1 hour on 2 CPU cores
-    python benchmarks/convergence.py --study width --quick     # 60 steps
-    python benchmarks/convergence.py --study width --gpu       # on a CUDA machine
-Writes benchmarks/results/convergence_width{,_quick,_gpu}.{csv,md,png}.
+    python benchmarks/convergence.py --study width             # 20 runs of 15-30 min on 2 CPU cores
+    python benchmarks/convergence.py --study finetune          # 40 runs of 4-8 min (pretrains first if needed)
+    python benchmarks/convergence.py --study width --quick     # 40 steps, seed 0, under 5 minutes
+    python benchmarks/convergence.py --study width --seeds 1 --arms kahan int8_kahan --threads 1
+Writes benchmarks/results/convergence_{width,finetune}{,_quick,_gpu}{.md,.png,_summary.csv,_runs.json}.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +54,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import _quality_arms as quality_arms  # noqa: E402
+from _quality_arms import FP32MasterAdamW  # noqa: E402
 from _results import write_results  # noqa: E402
 from gpt import GPT, ByteWindows, GPTConfig, load_bytes, lr_factor, stdlib_files  # noqa: E402
 
@@ -66,37 +75,10 @@ LABELS = {
     "bnb_8bit": "bitsandbytes AdamW8bit (bf16 weights, nearest)",
     "bf16_mixed": "bf16 weights, fp32 masters and moments (DeepSpeed bf16 mixed, reference)",
 }
-WIDTH_ARMS = ("bf16_mixed", "stochastic", "int8")
 INT8_ARMS = ("fp32", "stochastic", "int8", "int8_kahan", "torchao_bf16_sr", "torchao_8bit", "bnb_8bit")
 PEERS = ("torchao_bf16_sr", "torchao_8bit", "bnb_8bit")
 INT8_LRS = (1e-4, 3e-4, 1e-3)
 INT8_SEEDS = (0, 1)
-
-
-class FP32MasterAdamW(torch.optim.AdamW):
-    """The arithmetic of DeepSpeed's bf16 mixed precision on one process: the model's weights and gradients are bf16;
-    each step casts the gradients to float32, updates float32 master weights and moments with torch AdamW, and rounds
-    the masters to nearest into the bf16 weights. (Its param groups are the masters', for the scheduler.)"""
-
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float]) -> None:
-        self.bf16_groups = [list(g["params"]) for g in groups]
-        masters = [{**g, "params": [p.detach().float() for p in g["params"]]} for g in groups]
-        super().__init__(masters, lr=lr, betas=betas)
-
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        pairs = [(m, p) for g, ps in zip(self.param_groups, self.bf16_groups) for m, p in zip(g["params"], ps)]
-        for master, p in pairs:
-            master.grad = None if p.grad is None else p.grad.float()
-        super().step()
-        for master, p in pairs:
-            p.copy_(master)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for ps in self.bf16_groups:
-            for p in ps:
-                p.grad = None
-        super().zero_grad(set_to_none=set_to_none)
 
 
 def make_optimizer(arm: str, groups: list[dict], lr: float, seed: int) -> torch.optim.Optimizer:
@@ -192,7 +174,14 @@ def train_arm(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--study", choices=("rounding", "int8", "width"), default="rounding")
+    parser.add_argument("--study", choices=("rounding", "int8", "width", "finetune"), default="rounding")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="width/finetune: the seeds to run")
+    parser.add_argument(
+        "--arms", nargs="+", choices=quality_arms.STUDY_ARMS, default=None, help="width/finetune: default all"
+    )
+    parser.add_argument("--finetune-lrs", type=float, nargs="+", default=[1e-5, 3e-5])
+    parser.add_argument("--pretrain-seed", type=int, default=0, help="finetune: the width run it starts from")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--gpu", action="store_true", help="width study: GPT-2 124M on a CUDA machine")
     parser.add_argument("--quick", action="store_true", help="200 steps (int8 study: 100)")
     parser.add_argument("--steps", type=int, default=None, help="default: 1200, int8 study 600")
@@ -211,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if args.study == "width":
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.study in ("width", "finetune"):
         # Sizes of the study unless given: 6 x 384 (10.9M) on the CPU, GPT-2 124M (12 x 768) with --gpu.
         big = args.gpu
         defaults = {
@@ -225,7 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         for key, (cpu, gpu) in defaults.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, gpu if big else cpu)
-        args.steps = args.steps or (60 if args.quick else (4000 if big else 1000))
+        if args.quick:
+            args.seeds = [0] if args.seeds == parser.get_default("seeds") else args.seeds
+            args.val_windows = 64 if args.val_windows == parser.get_default("val_windows") else args.val_windows
+        args.pretrain_steps = 40 if args.quick else (4000 if big else 1000)
+        args.pretrain_warmup = min(args.warmup, args.pretrain_steps // 10)
+        if args.study == "width":
+            args.steps = args.steps or args.pretrain_steps
+        else:
+            args.steps = args.steps or (20 if args.quick else 300)
         args.warmup = min(args.warmup, args.steps // 10)
     if args.study == "int8":
         args.steps = args.steps or (100 if args.quick else 400)
@@ -233,14 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (200 if args.quick else 1200)
     args.eval_every = args.eval_every or max(1, args.steps // 12)
     device = torch.device(args.device)
+    if args.study in ("width", "finetune"):
+        return quality_study(args, device)
 
     train_files, val_files = stdlib_files()
     train = ByteWindows(load_bytes(train_files), args.block_size, args.steps * args.batch_size, args.seed)
     val = ByteWindows(load_bytes(val_files), args.block_size, args.val_windows, args.seed + 1)
     if args.study == "int8":
         return int8_study(args, train, val, device)
-    if args.study == "width":
-        return width_study(args, train, val, device)
     lrs = [args.lr] + ([args.small_lr] if args.small_lr else [])
     curves = {(arm, lr): train_arm(arm, lr, args, train, val, device) for lr in lrs for arm in ARMS}
 
@@ -395,83 +394,334 @@ def int8_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, d
     return 0
 
 
-def width_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, device: torch.device) -> int:
-    """Quality at width: DeepSpeed's bf16 mixed arithmetic (fp32 masters) against stochastic rounding and 8-bit
-    moments, one learning rate, one seed, the same initial weights and data order."""
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "convergence_width" + ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "")
-    command = "python benchmarks/convergence.py --study width" + (" --gpu" if args.gpu else "")
-    command += " --quick" if args.quick else ""
-    command += f" --seed {args.seed}" if args.seed else ""
-    curves, seconds = {}, {}
-    for arm in WIDTH_ARMS:
-        start = time.perf_counter()
-        curves[arm] = train_arm(arm, args.lr, args, train, val, device)
-        seconds[arm] = time.perf_counter() - start
-        # Written as it goes: a long run that stops early keeps the arms it finished.
-        rows = [
-            {"step": step, **{arm: f"{curves[arm][i][1]:.5f}" for arm in curves}}
-            for i, (step, _) in enumerate(curves[WIDTH_ARMS[0]])
-        ]
-        (args.out / f"{stem}.partial.json").write_text(json.dumps({"rows": rows, "seconds": seconds}))
+# --- The quality studies: every arm, several seeds, resumable over sittings -------------------------------------
 
+
+def finetune_corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """The fine-tuning corpus: the English text of the interpreter's own documentation topics (``pydoc_data``, on
+    every machine with Python), split into train and validation by a hash of the topic name. The pretraining corpus
+    is Python source; this one is prose."""
+    import hashlib
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    is_val = [int(hashlib.sha1(n.encode()).hexdigest(), 16) % 10 == 0 for n in names]
+
+    def encode(keep: list[str]) -> torch.Tensor:
+        text = "\n".join(topics[n] for n in keep).encode()
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8).clone()
+
+    return encode([n for n, v in zip(names, is_val) if not v]), encode([n for n, v in zip(names, is_val) if v])
+
+
+def _atomic_save(obj: object, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_json(obj: object, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def run_key(arm: str, seed: int, lr: float | None = None) -> str:
+    return f"{arm}/seed{seed}" + ("" if lr is None else f"/lr{lr:g}")
+
+
+def train_study_arm(
+    arm: str,
+    lr: float,
+    seed: int,
+    args: argparse.Namespace,
+    init: dict[str, torch.Tensor] | None,
+    train: ByteWindows,
+    val: ByteWindows,
+    partial: Path,
+    device: torch.device,
+) -> tuple[list, float, GPT, torch.optim.Optimizer]:
+    """Train one (arm, seed, lr) of a quality study; every ``eval_every`` steps the whole run (model, optimizer,
+    scheduler, random state, curve) is saved to ``partial`` so that a run stopped with the sitting resumes there.
+
+    ``init``: the float32 weights to start from (fine-tuning); ``None`` builds the model from ``seed``.
+    """
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(config)
+    if init is not None:
+        model.load_state_dict(init)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    params = list(model.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = quality_arms.make_optimizer(arm, groups, lr, seed)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args.warmup, args.steps))
+    # Master copies in the optimizer's param groups (fp32_masters) are not in its state_dict: saved beside it.
+    masters = [p for g in opt.param_groups for p in g["params"] if not any(p is q for q in params)]
+    first, elapsed, curve = 0, 0.0, None
+    if partial.exists():
+        saved = torch.load(partial, weights_only=False)  # written by this script, just above
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        for m, value in zip(masters, saved["masters"]):
+            m.data.copy_(value)
+        if hasattr(opt, "generator"):
+            opt.generator.set_state(saved["optimizer_generator"])
+        torch.set_rng_state(saved["rng"])
+        first, elapsed, curve = saved["step"], saved["elapsed"], saved["curve"]
+        print(f"{run_key(arm, seed, lr)}: resuming at step {first} of {args.steps}", file=sys.stderr)
+    if curve is None:
+        curve = [(0, evaluate(model, val, torch.bfloat16, args.batch_size, device))]
+    start = time.perf_counter() - elapsed
+    for step in range(first, args.steps):
+        idx = range(step * args.batch_size, (step + 1) * args.batch_size)
+        x, y = zip(*(train[i] for i in idx))
+        x, y = torch.stack(x).to(device), torch.stack(y).to(device)
+        logits = model(x).float()
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            curve.append((step + 1, evaluate(model, val, torch.bfloat16, args.batch_size, device)))
+            if step + 1 < args.steps:
+                _atomic_save(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(),
+                        "masters": [m.detach().clone() for m in masters],
+                        "optimizer_generator": opt.generator.get_state() if hasattr(opt, "generator") else None,
+                        "rng": torch.get_rng_state(),
+                        "step": step + 1,
+                        "elapsed": time.perf_counter() - start,
+                        "curve": curve,
+                    },
+                    partial,
+                )
+    return curve, time.perf_counter() - start, model, opt
+
+
+def quality_study(args: argparse.Namespace, device: torch.device) -> int:
+    """``--study width`` / ``--study finetune``: every arm of ``_quality_arms.STUDY_ARMS`` at every seed (and, for
+    fine-tuning, every learning rate). Each finished run is added to ``<stem>_runs.json`` at once and the tables and
+    plot are rewritten from it, so a study longer than one sitting completes over several: a rerun skips the runs
+    already there and resumes an interrupted one from its last evaluation."""
+    finetune = args.study == "finetune"
+    stem = f"convergence_{args.study}" + ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs_path = args.out / f"{stem}_runs.json"
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
+    arms = [a for a in (args.arms or quality_arms.STUDY_ARMS)]
+    skipped = {arm: why for arm in arms if (why := quality_arms.missing_peer(arm))}
+    for arm, why in skipped.items():
+        print(f"{arm}: {why}", file=sys.stderr)
+    lrs = args.finetune_lrs if finetune else [args.lr]
+    seeds = args.seeds
+    val_bytes: torch.Tensor
+    if finetune:
+        train_bytes, val_bytes = finetune_corpus()
+        init = pretrained_weights(args, device)
+    else:
+        train_files, val_files = stdlib_files()
+        train_bytes, val_bytes = load_bytes(train_files), load_bytes(val_files)
+        init = None
+    # Validation windows: one fixed set for every arm and seed. Training windows: the data order of each seed.
+    val = ByteWindows(val_bytes, args.block_size, args.val_windows, 1)
+    todo = [(seed, lr, arm) for seed in seeds for lr in lrs for arm in arms if arm not in skipped]
+    for seed, lr, arm in todo:
+        key = run_key(arm, seed, lr if finetune else None)
+        if key in runs:
+            print(f"{key}: already in {runs_path.name}, skipped", file=sys.stderr)
+            continue
+        train = ByteWindows(train_bytes, args.block_size, args.steps * args.batch_size, seed)
+        partial = args.out / ".partial" / f"{stem}_{key.replace('/', '_')}.pt"
+        curve, seconds, model, opt = train_study_arm(arm, lr, seed, args, init, train, val, partial, device)
+        runs[key] = {
+            "arm": arm,
+            "seed": seed,
+            "lr": lr,
+            "curve": curve,
+            "seconds": round(seconds, 1),
+            "threads": torch.get_num_threads(),
+            "state_bytes_per_param": round(quality_arms.state_bytes_per_param(opt, list(model.parameters())), 4),
+        }
+        print(f"{key}: final val loss {curve[-1][1]:.4f} ({seconds / 60:.1f} min)", file=sys.stderr)
+        if not finetune and arm == "fp32_masters" and seed == args.pretrain_seed:
+            # The width reference's final float32 masters are the fine-tuning study's pretrained model.
+            names = [n for n, _ in model.named_parameters()]
+            masters = [p for g in opt.param_groups for p in g["params"]]
+            order = {id(p): n for n, p in model.named_parameters()}
+            by_name = dict(zip((order[id(p)] for g in opt.bf16_groups for p in g), masters))
+            _atomic_save({n: by_name[n].detach().clone() for n in names}, pretrained_path(args))
+        _atomic_write_json(runs, runs_path)
+        partial.unlink(missing_ok=True)
+        write_study_report(args, stem, runs, lrs, skipped)
+    write_study_report(args, stem, runs, lrs, skipped)
+    return 0
+
+
+def pretrained_path(args: argparse.Namespace) -> Path:
+    name = f"width_pretrained_seed{args.pretrain_seed}" + ("_gpu" if args.gpu else "")
+    name += "_quick.pt" if args.quick else ".pt"
+    return args.out / ".partial" / name
+
+
+def pretrained_weights(args: argparse.Namespace, device: torch.device) -> dict[str, torch.Tensor]:
+    """The fine-tuning study's starting point: the width study's ``fp32_masters`` run's final float32 masters
+    (trained here first if that run's weights are not on this machine)."""
+    path = pretrained_path(args)
+    if not path.exists():
+        print(f"pretraining the width model in fp32 masters first ({path.name} not found)", file=sys.stderr)
+        width = argparse.Namespace(**{**vars(args), "study": "width", "arms": ["fp32_masters"]})
+        width.seeds = [args.pretrain_seed]
+        width.steps, width.warmup = args.pretrain_steps, args.pretrain_warmup
+        width.lr, width.eval_every = (6e-4 if args.gpu else 1e-3), max(1, args.pretrain_steps // 12)
+        stem = "convergence_width" + ("_quick" if args.quick else "")
+        runs_path = args.out / f"{stem}_runs.json"
+        runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
+        runs.pop(run_key("fp32_masters", args.pretrain_seed), None)  # rerun to get the weights
+        _atomic_write_json(runs, runs_path)
+        quality_study(width, device)
+    return torch.load(path, weights_only=True)
+
+
+def write_study_report(
+    args: argparse.Namespace,
+    stem: str,
+    runs: dict,
+    lrs: list[float],
+    skipped: dict[str, str],
+) -> None:
+    """The study's summary CSV, table and plot, from every run in ``runs`` (arms not run yet are listed as such)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    finetune = args.study == "finetune"
+    arms = list(quality_arms.STUDY_ARMS)
+    seeds = sorted({r["seed"] for r in runs.values()} | set(args.seeds))
+    labels, state = quality_arms.LABELS, quality_arms.ARM_BYTES
     n_params = sum(
         p.numel() for p in GPT(GPTConfig(args.block_size, 256, args.n_layer, args.n_head, args.n_embd)).parameters()
     )
     tokens = args.steps * args.batch_size * args.block_size
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for arm in WIDTH_ARMS:
-        steps, losses = zip(*curves[arm][1:])
-        ax.plot(steps, losses, label=LABELS[arm], linestyle="--" if arm == "bf16_mixed" else "-")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"Byte-level GPT, {n_params / 1e6:.1f}M params, {tokens / 1e6:.1f}M tokens, lr {args.lr:g}")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    command = f"python benchmarks/convergence.py --study {args.study}" + (" --gpu" if args.gpu else "")
+    command += " --quick" if args.quick else ""
+
+    def done(arm: str, lr: float) -> list[dict]:
+        return [r for r in runs.values() if r["arm"] == arm and r["lr"] == lr and r["seed"] in seeds]
+
+    # Summary CSV: one row per run.
+    summary = [
+        {
+            "arm": r["arm"],
+            "seed": r["seed"],
+            **({"lr": f"{r['lr']:g}"} if finetune else {}),
+            "final_val_loss": f"{r['curve'][-1][1]:.5f}",
+            "state_bytes_per_param": r["state_bytes_per_param"],
+            "wall_min": f"{r['seconds'] / 60:.1f}",
+            "threads": r["threads"],
+        }
+        for r in sorted(runs.values(), key=lambda r: (r["lr"], r["seed"], arms.index(r["arm"])))
+    ]
+    fields = list(dict.fromkeys(k for row in summary for k in row))
+    with open(args.out / f"{stem}_summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields or ["arm", "seed", "final_val_loss"])
+        writer.writeheader()
+        writer.writerows(summary)
+
+    fig, axes = plt.subplots(1, len(lrs), figsize=(8 * len(lrs), 5.2), squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
+        for arm in arms:
+            rs = done(arm, lr)
+            if not rs:
+                continue
+            steps = [s for s, _ in rs[0]["curve"][1:]]
+            losses = torch.tensor([[loss for _, loss in r["curve"][1:]] for r in rs])
+            (line,) = ax.plot(
+                steps,
+                losses.mean(0),
+                label=f"{labels[arm]} ({len(rs)} seed{'s' * (len(rs) > 1)})",
+                linestyle="--" if arm == "fp32_masters" else "-",
+            )
+            if len(rs) > 1:
+                ax.fill_between(steps, losses.min(0).values, losses.max(0).values, color=line.get_color(), alpha=0.2)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("validation loss (nats/byte): mean, band = seed range")
+        ax.set_title(f"{'fine-tuning ' if finetune else ''}lr {lr:g}")
+        # The end of the curves is what the table compares: show it closer.
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    what = "fine-tuning on the documentation's prose" if finetune else f"{tokens / 1e6:.1f}M tokens of Python source"
+    fig.suptitle(f"Byte-level GPT, {n_params / 1e6:.1f}M params, {what}")
     fig.tight_layout()
     fig.savefig(args.out / f"{stem}.png", dpi=120)
+    plt.close(fig)
 
-    ref = curves["bf16_mixed"][-1][1]
-    lines = [
-        f"# Quality at width: byte-level GPT, {n_params:,} parameters, {tokens:,} tokens per arm",
-        "",
-        f"Command: `{command}` (device: {args.device}). {args.steps} steps of {args.batch_size} x {args.block_size}"
-        f" bytes, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, cosine to 10%), betas (0.9, 0.95), weight decay"
-        f" {args.weight_decay} on matrices, {args.n_layer} layers x {args.n_embd} wide; the same initial weights and"
-        f" data order in every arm; validation on {args.val_windows} fixed windows of held-out files. The reference"
-        " is the arithmetic of DeepSpeed's bf16 mixed precision (bf16 weights and gradients, fp32 master weights and"
-        " moments, torch AdamW, masters rounded to nearest into the weights), run on one process.",
-        "",
-        "| arm | model state B/param | final validation loss | gap to fp32 masters | wall time |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    state = {"bf16_mixed": "16", "stochastic": "8", "int8": "6.03"}
-    for arm in WIDTH_ARMS:
-        loss = curves[arm][-1][1]
-        lines.append(
-            f"| {LABELS[arm]} | {state[arm]} | {loss:.4f} | {100 * (loss - ref) / ref:+.2f}% | {seconds[arm] / 60:.0f}"
-            " min |"
+    setup = (
+        f"{args.steps} steps of {args.batch_size} x {args.block_size} bytes, AdamW (warm-up {args.warmup} steps, cosine"
+        f" to 10%), betas (0.9, 0.95), weight decay {args.weight_decay} on matrices, {args.n_layer} layers x"
+        f" {args.n_embd} wide."
+    )
+    if finetune:
+        setup += (
+            " Every arm starts from the same weights: the width study's fp32-masters model (seed"
+            f" {args.pretrain_seed}), rounded to bf16; it is fine-tuned on the English text of the interpreter's"
+            " documentation topics (`pydoc_data`), whose held-out topics are the validation set."
         )
-    gaps = {arm: 100 * (curves[arm][-1][1] - ref) / ref for arm in WIDTH_ARMS[1:]}
-    verdict = "met" if all(g <= 0.5 for g in gaps.values()) else "missed"
-    lines += [
+    else:
+        setup += " Per seed the same initial weights and data order in every arm."
+    lines = [
+        f"# Quality {'of fine-tuning' if finetune else 'at width'}: byte-level GPT, {n_params:,} parameters",
         "",
-        f"Goal: stochastic rounding and 8-bit moments within 0.5% of the fp32-master arm's final loss: {verdict}.",
+        f"Command: `{command}` (device: {args.device}; each run is kept in `{stem}_runs.json` as it finishes, and a"
+        " rerun continues where the last sitting stopped). " + setup + f" Validation: {args.val_windows} fixed windows."
+        " Loss: mean over the seeds that ran; spread: half the seed-to-seed range; gap: to the fp32-masters arm's mean"
+        " at the same learning rate. Wall time: per run, on the threads shown in the summary CSV.",
         "",
-        f"![validation loss]({stem}.png)",
+        "| lr | arm | model state B/param | seeds | final validation loss | spread | gap to fp32 masters"
+        " | gap per seed | wall time per run |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|",
     ]
-    rows = [
-        {"step": step, **{arm: f"{curves[arm][i][1]:.5f}" for arm in WIDTH_ARMS}}
-        for i, (step, _) in enumerate(curves[WIDTH_ARMS[0]])
-    ]
-    write_results(args.out, stem, rows, lines, command, also=("png",))
-    (args.out / f"{stem}.partial.json").unlink(missing_ok=True)
-    return 0
+    gaps: dict[tuple[str, float], float] = {}
+    for lr in lrs:
+        ref = {r["seed"]: r["curve"][-1][1] for r in done("fp32_masters", lr)}
+        for arm in arms:
+            rs = done(arm, lr)
+            if not rs:
+                why = skipped.get(arm, "not run yet")
+                lines.append(f"| {lr:g} | {labels[arm]} | {state[arm]:.2f} | 0 | - | - | - | {why} | - |")
+                continue
+            finals = [r["curve"][-1][1] for r in rs]
+            mean = sum(finals) / len(finals)
+            spread = (max(finals) - min(finals)) / 2
+            paired = [(r["curve"][-1][1], ref[r["seed"]]) for r in rs if r["seed"] in ref]
+            per_seed = ", ".join(f"{100 * (x - y) / y:+.2f}%" for x, y in paired) or "-"
+            if paired:
+                gap = 100 * sum(x - y for x, y in paired) / sum(y for _, y in paired)
+                gaps[arm, lr] = gap
+                gap_text = f"{gap:+.2f}%"
+            else:
+                gap_text = "-"
+            minutes = sum(r["seconds"] for r in rs) / len(rs) / 60
+            lines.append(
+                f"| {lr:g} | {labels[arm]} | {state[arm]:.2f} | {len(rs)} | {mean:.4f} | {spread:.4f} | {gap_text} |"
+                f" {per_seed} | {minutes:.0f} min |"
+            )
+    expected = len([1 for _ in seeds for _ in lrs for arm in arms if arm not in skipped])
+    finished = sum(1 for r in runs.values() if r["seed"] in seeds and r["arm"] in arms and r["lr"] in lrs)
+    lines += ["", f"Runs finished: {finished} of {expected}."]
+    lines += [f"- {labels[arm]}: {why}" for arm, why in skipped.items()]
+    lines += [f"- {run_key(r['arm'], r['seed'])}: {r['source']}" for r in runs.values() if r.get("source")]
+    lines += ["", f"![validation loss]({stem}.png)"]
+    write_results(args.out, stem, None, lines, command, also=("png",))
 
 
 if __name__ == "__main__":
