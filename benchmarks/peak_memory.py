@@ -48,6 +48,11 @@ ARMS = {
     # Gradient release: no gradient partition; each partition updated as its gradient is reduce-scattered.
     "release": {"gradient_release": True},
     "int8_release": {"moments": "int8", "gradient_release": True},
+    "int8_kahan": {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
+    # The default before the gather cache was bounded: DeepSpeed's own cache of gathered layers.
+    "stochastic_keep": {"gather_cache": "keep"},
+    # PyTorch FSDP2 through Lightning's ModelParallelStrategy: fully_shard per layer, bf16 parameters, torch AdamW.
+    "fsdp2": None,
 }
 LAYERS, BATCH, STEPS = 8, 4, 4
 
@@ -104,6 +109,7 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layer
 
     from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
 
+    fsdp2 = ARMS[arm] is None
     sampler = _Sampler()
     sampler.start()
     # The optimizer step's window opens when ZeRO-3's step has released the parameters the backward gathered (its
@@ -133,7 +139,11 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layer
             between.append(sampler.reset())
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
-            window["armed"] = True
+            if fsdp2:  # FSDP2 has released the backward's layers already: the window opens here
+                window["step_peak_so_far"] = sampler.peak
+                sampler.reset()
+            else:
+                window["armed"] = True
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             opt_peaks.append(sampler.peak)
@@ -145,22 +155,37 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layer
             self.net = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)])
 
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            return self.net(batch[0]).float().pow(2).mean()
+            return self.net(batch[0].to(torch.bfloat16) if fsdp2 else batch[0]).float().pow(2).mean()
+
+        def configure_model(self) -> None:
+            if fsdp2:  # bf16 parameters, each layer its own FSDP2 unit, then the root (as torchtitan does)
+                from torch.distributed.fsdp import fully_shard
+
+                self.net.to(torch.bfloat16)
+                for layer in self.net:
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+                fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
         def configure_optimizers(self):  # noqa: ANN201
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     seed_everything(0)
-    options = dict(ARMS[arm])
-    if config:
-        options["config"] = config
-    if arm == "mmap":
-        options["state_dir"] = str(out / "states")
-        (out / "states").mkdir(exist_ok=True)
+    if fsdp2:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        options = dict(ARMS[arm])
+        if config:
+            options["config"] = config
+        if arm == "mmap":
+            options["state_dir"] = str(out / "states")
+            (out / "states").mkdir(exist_ok=True)
+        strategy = DeepSpeedPureBF16Strategy(**options)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DeepSpeedPureBF16Strategy(**options),
+        strategy=strategy,
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -173,13 +198,26 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layer
     data = DataLoader(TensorDataset(torch.randn(BATCH * STEPS * 2, d)), batch_size=BATCH)
     trainer.fit(model, data)
     sampler.stop()
-    report = trainer.strategy.memory_report()
+    if fsdp2:
+        params = sum(p.numel() for p in model.parameters())
+        local = [p.to_local() for p in model.parameters()]
+        held = sum(t.numel() * t.element_size() for t in local)  # weights
+        held += sum(t.numel() * t.element_size() for t in local)  # their gradients (same format; freed between steps)
+        for state in trainer.optimizers[0].state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    v = v.to_local() if hasattr(v, "to_local") else v
+                    held += v.numel() * v.element_size()
+        model_state = held * trainer.world_size / params
+    else:
+        params = sum(p.ds_numel for p in model.parameters())
+        model_state = trainer.strategy.memory_report()["total"]
     phases.update(
         between_steps=max(between[1:]),
         step_peak=max(step_peaks[1:]),
         optimizer_step_peak=max(opt_peaks[1:]),
-        params=sum(p.ds_numel for p in model.parameters()),
-        model_state_b_per_param=report["total"],
+        params=params,
+        model_state_b_per_param=model_state,
     )
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(phases))
 
@@ -259,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            # Written as it goes: a long run that stops keeps the fits it finished.
+            write_report(rows, args, argv)
+    return 0
+
+
+def write_report(rows: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
     command = shlex.join(["python", "benchmarks/peak_memory.py", *(argv or sys.argv[1:])])
     gib = 1024**3
     lines = [
@@ -282,28 +326,32 @@ def main(argv: list[str] | None = None) -> int:
         "Growth per parameter between the smallest and the largest size (bytes per parameter of the model, both ranks"
         " together; fixed costs drop out):",
         "",
-        "| arm | after setup | between steps | step peak | optimizer step peak | step peak over between steps |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| arm | after setup | between steps | step peak | optimizer step peak | step peak over between steps |"
+        " step peak minus FSDP2's |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for arm in args.arms:
+    slopes = {}
+    for arm in sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: a != "fsdp2"):
         mine = [r for r in rows if r["arm"] == arm]
+        if len(mine) < 2:
+            continue
         lo, hi = mine[0], mine[-1]
         dp = hi["params"] - lo["params"]
 
         def slope(key: str, lo: dict = lo, hi: dict = hi, dp: int = dp) -> float:
             return (hi[key] - lo[key]) / dp
 
-        row = {k: slope(k) for k in ("after_setup", "between_steps", "step_peak", "optimizer_step_peak")}
+        row = slopes[arm] = {k: slope(k) for k in ("after_setup", "between_steps", "step_peak", "optimizer_step_peak")}
+        versus = f"{row['step_peak'] - slopes['fsdp2']['step_peak']:+.2f}" if "fsdp2" in slopes else "-"
         lines.append(
             f"| {arm} | {row['after_setup']:.2f} | {row['between_steps']:.2f} | **{row['step_peak']:.2f}** |"
-            f" {row['optimizer_step_peak']:.2f} | {row['step_peak'] - row['between_steps']:.2f} |"
+            f" {row['optimizer_step_peak']:.2f} | {row['step_peak'] - row['between_steps']:.2f} | {versus} |"
         )
     sys.path.insert(0, str(Path(__file__).parent))
     from _results import write_results
 
     name = args.name or ("peak_memory_quick" if args.quick else "peak_memory")
     write_results(args.out, name, rows, lines, command)
-    return 0
 
 
 if __name__ == "__main__":
