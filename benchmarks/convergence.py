@@ -35,7 +35,7 @@ interrupted one from its last evaluation, so a study completes over several sitt
 
     python benchmarks/convergence.py --study width             # 20 runs of 15-30 min on 2 CPU cores
     python benchmarks/convergence.py --study finetune          # 40 runs of 4-8 min (pretrains first if needed)
-    python benchmarks/convergence.py --study width --quick     # 40 steps, seed 0, under 5 minutes
+    python benchmarks/convergence.py --study width --quick     # every arm end to end: 2 x 128, 40 steps, seed 0
     python benchmarks/convergence.py --study width --seeds 1 --arms kahan int8_kahan --threads 1
 Writes benchmarks/results/convergence_{width,finetune}{,_quick,_gpu}{.md,.png,_summary.csv,_runs.json}.
 """
@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": (16, 16),
             "lr": (1e-3, 6e-4),  # the example's peak lr; GPT-2's on the GPU
         }
+        if args.quick:  # a check that every arm runs end to end: the small model (2 x 128), 40 steps
+            defaults = {k: v for k, v in defaults.items() if k in ("batch_size", "lr")}
         for key, (cpu, gpu) in defaults.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, gpu if big else cpu)
@@ -561,7 +563,7 @@ def quality_study(args: argparse.Namespace, device: torch.device) -> int:
             _atomic_save({n: by_name[n].detach().clone() for n in names}, pretrained_path(args))
         _atomic_write_json(runs, runs_path)
         partial.unlink(missing_ok=True)
-        write_study_report(args, stem, runs, lrs, skipped)
+        write_study_report(args, stem, runs, lrs, skipped, final=False)
     write_study_report(args, stem, runs, lrs, skipped)
     return 0
 
@@ -597,8 +599,10 @@ def write_study_report(
     runs: dict,
     lrs: list[float],
     skipped: dict[str, str],
+    final: bool = True,
 ) -> None:
-    """The study's summary CSV, table and plot, from every run in ``runs`` (arms not run yet are listed as such)."""
+    """The study's summary CSV, table and plot, from every run in ``runs`` (arms not run yet are listed as such);
+    printed when ``final``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -710,10 +714,11 @@ def write_study_report(
                 gap_text = f"{gap:+.2f}%"
             else:
                 gap_text = "-"
-            minutes = sum(r["seconds"] for r in rs) / len(rs) / 60
+            seconds = sum(r["seconds"] for r in rs) / len(rs)
+            wall = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
             lines.append(
                 f"| {lr:g} | {labels[arm]} | {state[arm]:.2f} | {len(rs)} | {mean:.4f} | {spread:.4f} | {gap_text} |"
-                f" {per_seed} | {minutes:.0f} min |"
+                f" {per_seed} | {wall} |"
             )
     expected = len([1 for _ in seeds for _ in lrs for arm in arms if arm not in skipped])
     finished = sum(1 for r in runs.values() if r["seed"] in seeds and r["arm"] in arms and r["lr"] in lrs)
@@ -721,7 +726,10 @@ def write_study_report(
     lines += [f"- {labels[arm]}: {why}" for arm, why in skipped.items()]
     lines += [f"- {run_key(r['arm'], r['seed'])}: {r['source']}" for r in runs.values() if r.get("source")]
     lines += ["", f"![validation loss]({stem}.png)"]
-    write_results(args.out, stem, None, lines, command, also=("png",))
+    if final:
+        write_results(args.out, stem, None, lines, command, also=("png",))
+    else:
+        (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
