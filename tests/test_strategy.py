@@ -467,3 +467,14 @@ def test_mmap_state_dir_in_memory_is_warned_about(tmp_path, monkeypatch):
     monkeypatch.setattr(mmap_states, "filesystem_type", lambda _: "tmpfs")
     with pytest.warns(UserWarning, match="is on tmpfs, which is memory"):
         DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir=tmp_path)
+
+
+def test_a_step_holds_at_most_one_layer_gathered_with_the_default_gather_cache(tmp_path):
+    # Four 384 x 384 layers (each above ZeRO-3's persistence threshold, so partitioned), sampled at every module's
+    # forward and backward: with DeepSpeed's own settings (gather_cache="keep") ZeRO-3 prefetches and holds all four
+    # at once (589,824 elements); the default holds the layer it is working on.
+    fit(tmp_path, devices=2, steps=3, hidden=384, depth=4, record_gathered=True)
+    for rank in load_ranks(tmp_path):
+        one_layer = rank["largest_partitioned_numel"]
+        assert one_layer == 384 * 384
+        assert rank["most_gathered_per_step"][1:] == [one_layer, one_layer]  # the first step traces the module order

@@ -9,10 +9,11 @@ from torch.utils.data import TensorDataset
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int = 64) -> None:
+    def __init__(self, hidden: int = 64, depth: int = 1) -> None:
         super().__init__()
         h = hidden
-        self.net = nn.Sequential(nn.Linear(16, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 1))
+        middle = [m for _ in range(depth) for m in (nn.Linear(h, h), nn.GELU())]
+        self.net = nn.Sequential(nn.Linear(16, h), nn.GELU(), *middle, nn.Linear(h, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -71,11 +71,43 @@ class CaptureOptimizerState(Callback):
         ]
 
 
+class CountGathered(Callback):
+    """The most elements of parameters ZeRO-3 holds gathered at once in each training step, sampled as each module's
+    forward and backward start, after ZeRO-3's own hooks have gathered (and prefetched) what it needs. Persistent
+    parameters, always whole on every rank, are left out."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self._most = 0
+
+    def _sample(self, *_) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        held = sum(
+            p.ds_numel
+            for p in self._params
+            if p.ds_status in (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT) and not p.ds_persist
+        )
+        self._most = max(self._most, held)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._params = list(pl_module.parameters())
+        for module in pl_module.modules():
+            module.register_forward_pre_hook(self._sample)
+            module.register_full_backward_pre_hook(self._sample)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._most = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.counts.append(self._most)
+
+
 class MLP(LightningModule):
     def __init__(self, opts: dict) -> None:
         super().__init__()
         self.opts = opts
-        self.net = Layers(opts.get("hidden", 64)).net
+        self.net = Layers(opts.get("hidden", 64), opts.get("depth", 1)).net
         if opts.get("freeze_first"):
             self.net[0].requires_grad_(False)
         self.lrs: list[float] = []
@@ -198,6 +230,9 @@ def main(out: Path, opts: dict) -> None:
     if opts.get("kill_during_save"):
         _kill_after_first_staged_file()
     update_calls = _count_update_calls() if opts.get("count_updates") else None
+    if opts.get("record_gathered"):
+        counter = CountGathered()
+        trainer.callbacks.append(counter)
     val_loader = DataLoader(data(), batch_size=16, shuffle=False)
     trainer.fit(model, loader, val_loader, ckpt_path=opts.get("ckpt_path"))
     if opts.get("save_at_end"):
@@ -255,6 +290,9 @@ def main(out: Path, opts: dict) -> None:
         result["update_calls"] = list(update_calls)
         result["sub_groups"] = len(zero.fp16_groups)
         result["sub_group_numels"] = [t.numel() for t in zero.fp32_partitioned_groups_flat]
+    if opts.get("record_gathered"):
+        result["most_gathered_per_step"] = counter.counts
+        result["largest_partitioned_numel"] = max(p.ds_numel for p in model.parameters() if not p.ds_persist)
     if opts.get("gather_full"):
         import deepspeed
 
