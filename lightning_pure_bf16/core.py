@@ -369,7 +369,7 @@ def inner_optimizer(engine: Any) -> AdamW:
 def memory_report(engine: Any) -> dict[str, float]:
     """Model-state bytes per parameter on this rank, by category, from the live ZeRO-3 buffers
     (:func:`lightning_pure_bf16.memory.zero3_model_state_report`)."""
-    return zero3_model_state_report(engine.optimizer)
+    return zero3_model_state_report(engine.optimizer, engine.module)
 
 
 def init_zero3_optimizer_state(zero_optimizer: Any) -> None:

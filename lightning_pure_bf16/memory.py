@@ -69,7 +69,7 @@ def is_file_backed(t: torch.Tensor) -> bool:
     return t.untyped_storage().filename is not None
 
 
-def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
+def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None = None) -> dict[str, float]:
     """Bytes per parameter of this rank's partition, by category, read from a ZeRO-3 optimizer's buffers.
 
     ``param`` is the bf16 parameter partition, ``grad`` ZeRO-3's persistent gradient partition buffer, ``master``
@@ -79,9 +79,15 @@ def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
     gathered on every rank (below ``stage3_param_persistence_threshold``) and fixed-size communication buckets are not
     model state and are not counted here; :func:`reachable_tensors` finds them.
 
+    Frozen parameters (``requires_grad=False``) are not the optimizer's: with ``module`` given, their partitions on
+    this rank are counted apart (``frozen``, 2 B/param: the bf16 partition, no gradient or state) and beside the
+    trainable ones in ``whole_model``.
+
     Returns:
-        One entry per name in :data:`CATEGORIES` plus ``"total"`` (bytes/param in memory), ``"state_files"``
-        (bytes/param in files) and ``"params_on_rank"`` (elements).
+        One entry per name in :data:`CATEGORIES` plus ``"total"`` (bytes per trainable parameter in memory),
+        ``"state_files"`` (bytes/param in files), ``"params_on_rank"`` (trainable elements), ``"frozen"`` (bytes per
+        frozen parameter), ``"frozen_params_on_rank"`` and ``"whole_model"`` (bytes per parameter over trainable and
+        frozen together; ``total`` when nothing is frozen).
     """
     params = zero3_param_partitions(zero_optimizer)
     n = sum(t.numel() for t in params)
@@ -106,6 +112,12 @@ def zero3_model_state_report(zero_optimizer: Any) -> dict[str, float]:
     report["total"] = sum(report.values())
     report["state_files"] = in_files / max(n, 1)
     report["params_on_rank"] = float(n)
+    frozen = [p.ds_tensor for p in (module.parameters() if module is not None else ()) if not p.requires_grad]
+    frozen_n = sum(t.numel() for t in frozen)
+    frozen_bytes = sum(_nbytes(t) for t in frozen)
+    report["frozen"] = frozen_bytes / frozen_n if frozen_n else 0.0
+    report["frozen_params_on_rank"] = float(frozen_n)
+    report["whole_model"] = (report["total"] * n + frozen_bytes) / max(n + frozen_n, 1)
     return report
 
 
@@ -226,9 +238,17 @@ def format_peak(peak: dict[str, Any] | None) -> str:
 def format_report(report: dict[str, float]) -> str:
     """One line: ``8.00 B/param (param 2.00, grad 2.00, ...) over N elements``."""
     parts = [f"{k} {report[k]:.2f}" for k in CATEGORIES if report.get(k)]
-    line = f"{report['total']:.2f} B/param ({', '.join(parts)}) over {int(report['params_on_rank'])} elements"
+    line = f"{report['total']:.2f} B/param ({', '.join(parts)}) over {int(report['params_on_rank']):,}"
+    frozen = int(report.get("frozen_params_on_rank", 0))
+    line += " trainable elements" if frozen else " elements"
     if report.get("state_files"):
         line += f", plus {report['state_files']:.2f} B/param of optimizer state in memory-mapped files"
+    if frozen:
+        total = frozen + int(report["params_on_rank"])
+        line += (
+            f"; frozen: {report['frozen']:.2f} B/param over {frozen:,} elements; whole model:"
+            f" {report['whole_model']:.2f} B/param over {total:,} elements"
+        )
     return line
 
 

@@ -413,8 +413,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
 
         Returns:
             See :func:`lightning_pure_bf16.memory.zero3_model_state_report`: ``param``, ``grad``, ``master``,
-            ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``other_state`` and ``total`` in bytes per parameter of this
-            rank's partition, and ``params_on_rank``.
+            ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``other_state`` and ``total`` in bytes per trainable
+            parameter of this rank's partition, ``params_on_rank``; frozen parameters in ``frozen`` and
+            ``frozen_params_on_rank``, and ``whole_model`` over both.
         """
         return core.memory_report(self.deepspeed_engine)
 

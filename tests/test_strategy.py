@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision, StateStorageError
+from lightning_pure_bf16.plan import plan
 from lightning_pure_bf16.strategy import STATE_DIR_ENV
 from tests.strategy_runs import fit, load_ranks, run_script
 
@@ -469,12 +471,23 @@ def test_mmap_state_dir_in_memory_is_warned_about(tmp_path, monkeypatch):
         DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir=tmp_path)
 
 
-def test_a_step_holds_at_most_one_layer_gathered_with_the_default_gather_cache(tmp_path):
+def test_a_step_holds_one_layer_gathered_and_the_report_counts_frozen_layers(tmp_path):
     # Four 384 x 384 layers (each above ZeRO-3's persistence threshold, so partitioned), sampled at every module's
     # forward and backward: with DeepSpeed's own settings (gather_cache="keep") ZeRO-3 prefetches and holds all four
-    # at once (589,824 elements); the default holds the layer it is working on.
-    fit(tmp_path, devices=2, steps=3, hidden=384, depth=4, record_gathered=True)
+    # at once (589,824 elements); the default holds the layer it is working on. The first three of the six linear
+    # layers are frozen (half the parameters, the seed user's recipe): the report counts them at 2 B/param.
+    proc = fit(tmp_path, devices=2, steps=3, hidden=384, depth=4, freeze_layers=3, record_gathered=True)
     for rank in load_ranks(tmp_path):
         one_layer = rank["largest_partitioned_numel"]
         assert one_layer == 384 * 384
         assert rank["most_gathered_per_step"][1:] == [one_layer, one_layer]  # the first step traces the module order
+        report = rank["memory_report"]
+        trainable, frozen = report["params_on_rank"], report["frozen_params_on_rank"]
+        assert report["total"] == pytest.approx(8.0) and report["frozen"] == pytest.approx(2.0)
+        assert 0.45 < frozen / (trainable + frozen) < 0.55
+        planned = plan(1e9, 2, 80, frozen_fraction=frozen / (trainable + frozen))
+        planned_per_param = planned.per_gpu_model_state_gib["pure_bf16_stochastic"] * 1024**3 * 2 / 1e9
+        assert report["whole_model"] == pytest.approx(planned_per_param, rel=0.05)
+        assert report["whole_model"] == pytest.approx(5.0, rel=0.05)
+    said = re.search(r"frozen: 2\.00 B/param over [\d,]+ elements; whole model: (\d\.\d\d) B/param", proc.stderr)
+    assert said and float(said.group(1)) == pytest.approx(5.0, rel=0.05)

@@ -110,6 +110,8 @@ class MLP(LightningModule):
         self.net = Layers(opts.get("hidden", 64), opts.get("depth", 1)).net
         if opts.get("freeze_first"):
             self.net[0].requires_grad_(False)
+        for layer in [m for m in self.net if isinstance(m, nn.Linear)][: opts.get("freeze_layers", 0)]:
+            layer.requires_grad_(False)
         self.lrs: list[float] = []
         self.losses: list[float] = []
         self.first_inputs: list[float] = []
