@@ -127,10 +127,21 @@ def test_a_stock_trainer_handing_the_optimizer_float32_masters_is_refused(tmp_pa
     assert "PureBF16Trainer" in rank["error"]
 
 
+def test_a_stock_trainer_that_drops_the_given_optimizer_says_so_once(tmp_path):
+    # transformers.Trainer(optimizers=(lightning_pure_bf16.AdamW(...), None)) with DeepSpeed trains with torch AdamW
+    # on float32 masters: the optimizer, built after TrainingArguments set DeepSpeed up, says so once.
+    (rank,) = hf_run(tmp_path, world=1, front="stock_trainer", given=True)
+    assert rank["error"] is None
+    (said,) = rank["warnings"]
+    assert "the host replaced it" in said and "torch.optim.adamw.AdamW` is stepping" in said
+    assert "PureBF16Trainer" in said
+
+
 def test_the_optimizer_given_to_the_trainer_is_used_not_replaced(tmp_path):
     (rank,) = hf_run(tmp_path, world=1, steps=2, given_optimizer=True)
     assert rank["optimizer_class"] == "lightning_pure_bf16.optim.adamw.AdamW"
     assert rank["weight_decay"] == [0.0] and rank["lr"] == [pytest.approx(1e-3)]  # its group, its scheduler (x0.5)
+    assert rank["replaced_warnings"] == []  # this package's own integration: nothing to say
 
 
 @pytest.mark.parametrize(

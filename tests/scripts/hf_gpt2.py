@@ -95,7 +95,9 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
     model = tiny_gpt2()
     optimizers = (None, None)
     if opts.get("given_optimizer"):
-        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+        from lightning_pure_bf16 import AdamW
+
+        opt = AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
         optimizers = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5))
     trainer = PureBF16Trainer(
         model=model,
@@ -106,8 +108,13 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
         seed=7,
         **opts.get("options", {}),
     )
-    trainer.train(resume_from_checkpoint=opts.get("resume"))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=opts.get("resume"))
     result = {"losses": losses, **engine_state(trainer.model_wrapped, rank)}
+    result["replaced_warnings"] = [str(w.message) for w in seen if "the host replaced it" in str(w.message)]
     result["scheduler_lr"] = trainer.lr_scheduler.get_last_lr()
     if opts.get("export"):
         trainer.save_model(str(out / "export"))  # loaded by the parent process, outside DeepSpeed
@@ -139,14 +146,22 @@ def run_stock_trainer(rank: int, out: Path, opts: dict) -> dict:
         save_strategy="no",
         disable_tqdm=True,
     )
-    trainer = Trainer(
-        model=tiny_gpt2(), args=args, train_dataset=dataset(), optimizer_cls_and_kwargs=(AdamW, {"lr": 1e-3})
-    )
-    try:
-        trainer.train()
-        return {"error": None}
-    except RuntimeError as err:
-        return {"error": str(err)}
+    model = tiny_gpt2()
+    if opts.get("given"):  # the optimizer given in `optimizers=`, which the stock Trainer drops under DeepSpeed
+        optimizer = {"optimizers": (AdamW(model.parameters(), lr=1e-3), None)}
+    else:  # the optimizer the stock Trainer builds itself and hands to DeepSpeed's bf16 mixed precision
+        optimizer = {"optimizer_cls_and_kwargs": (AdamW, {"lr": 1e-3})}
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), **optimizer)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            trainer.train()
+            error = None
+        except RuntimeError as err:
+            error = str(err)
+    return {"error": error, "warnings": [str(w.message) for w in seen if "lightning_pure_bf16" in str(w.message)]}
 
 
 def run_accelerate(rank: int, out: Path, opts: dict) -> dict:
