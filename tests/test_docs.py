@@ -1,0 +1,66 @@
+"""The documentation's code stays true: every Python snippet of the README and of docs/ compiles and every name it
+imports from this package exists; the snippets marked ``<!-- docs-test: run -->`` run, on a tiny model; the planner
+command the pages show runs with its flags."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# A fenced block, also one indented inside a list item.
+BLOCK = re.compile(r"(<!-- docs-test: run -->\n)?[ ]*```python\n(.*?)\n[ ]*```", re.S)
+
+
+def snippets() -> list[tuple[str, bool, str]]:
+    found = []
+    for page in PAGES:
+        for i, m in enumerate(BLOCK.finditer(page.read_text())):
+            found.append((f"{page.relative_to(ROOT)}#{i}", bool(m.group(1)), textwrap.dedent(m.group(2))))
+    return found
+
+
+SNIPPETS = snippets()
+
+
+def test_the_pages_have_snippets_and_some_run():
+    assert len(SNIPPETS) >= 10 and any(run for _, run, _ in SNIPPETS)
+
+
+@pytest.mark.parametrize(("where", "run", "code"), SNIPPETS, ids=[w for w, _, _ in SNIPPETS])
+def test_snippet_compiles_and_its_imports_exist(where, run, code):
+    tree = ast.parse(code, filename=where)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_pure_bf16"):
+            module = __import__(node.module, fromlist=["_"])
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{where}: {node.module} has no {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("lightning_pure_bf16"):
+                    __import__(alias.name)
+    if run:  # on a tiny model, with torch and nn at hand, as the page's reader has them
+        model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+        exec(compile(tree, where, "exec"), {"torch": torch, "nn": nn, "model": model})
+
+
+def test_the_planner_command_the_pages_show_runs():
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    command = re.search(r"python -m lightning_pure_bf16\.plan (.*?)\n```", text, re.S).group(1)
+    # The optional flags are shown in brackets: all of them given, as a user copying the line would.
+    args = shlex.split(command.replace("\\\n", " ").replace("[", "").replace("]", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_pure_bf16.plan", *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert '"fits"' in proc.stdout  # --json among the flags
