@@ -192,3 +192,27 @@ def test_the_trainer_refuses_arguments_that_would_not_train_pure_bf16(tmp_path):
         from lightning_pure_bf16.integrations.accelerate import PureBF16Accelerator
 
         PureBF16Accelerator(mixed_precision="fp16")
+
+
+def test_peft_lora_trains_its_adapters_only_with_the_base_bit_exact_under_both_front_ends(tmp_path):
+    # The seed user's recipe at small scale: a PEFT LoRA model (r=4 on the attention projections) under
+    # PureBF16Trainer and under Trainer(strategy="deepspeed_pure_bf16"), 2 ranks each; the adapters saved by PEFT
+    # load with PeftModel.from_pretrained into a fresh base.
+    from peft import PeftModel
+
+    from tests.scripts.hf_gpt2 import tiny_gpt2
+
+    lightning, hf = tmp_path / "lightning", tmp_path / "hf"
+    run_script("lora_lightning.py", lightning, json.dumps({"steps": 3}))
+    runs = {lightning: load_ranks(lightning), hf: [r["lora"] for r in hf_run(hf, steps=3, lora=True)]}
+    for out, ranks in runs.items():
+        for rank in ranks:
+            assert rank["trainable"] and all(".lora_" in name for name in rank["trainable"])
+            assert rank["base_exact"] and sorted(rank["adapters_moved"]) == rank["trainable"]
+            report = rank["memory_report"]  # gradients and moments for the adapters only; the base at 2 B/param
+            assert report["total"] == pytest.approx(8.0) and report["frozen"] == pytest.approx(2.0)
+            adapters = sum(t.numel() for t in rank["adapters"].values())
+            assert report["params_on_rank"] * 2 == pytest.approx(adapters, abs=64)  # partitions, padding aside
+        loaded = dict(PeftModel.from_pretrained(tiny_gpt2(), str(out / "adapter")).named_parameters())
+        for name, live in ranks[0]["adapters"].items():
+            assert torch.equal(loaded[name].to(live.dtype), live), f"{out.name}: {name}"

@@ -24,6 +24,42 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config)
 
 
+def lora_gpt2():
+    """The tiny GPT-2 with PEFT LoRA adapters on its attention projections; the base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_" in name:  # PEFT starts B at zero; a nonzero start makes the adapters' effect visible at once
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def gathered(module) -> dict[str, torch.Tensor]:
+    """Every parameter of a ZeRO-3 module, whole, by name."""
+    import deepspeed
+
+    params = dict(module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {k: v.detach().clone() for k, v in params.items()}
+
+
+def lora_report(module, before: dict[str, torch.Tensor], memory_report: dict, out: Path, rank: int) -> dict:
+    """What a LoRA test checks: trainable names, the base against its start, the report; adapters saved by PEFT."""
+    after = gathered(module)
+    base = [k for k in after if "lora_" not in k]
+    result = {
+        "trainable": sorted(k for k, p in module.named_parameters() if p.requires_grad),
+        "base_exact": all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in base),
+        "adapters_moved": [
+            k for k in after if "lora_" in k and not torch.equal(after[k], before[k].to(torch.bfloat16))
+        ],
+        "adapters": {k: v for k, v in after.items() if "lora_" in k},
+        "memory_report": memory_report,
+    }
+    return result
+
+
 def dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     # A learnable sequence: each token is the previous plus a per-sequence step, modulo the vocabulary.
@@ -92,7 +128,8 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    model = tiny_gpt2()
+    model = lora_gpt2() if opts.get("lora") else tiny_gpt2()
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizers = (None, None)
     if opts.get("given_optimizer"):
         from lightning_pure_bf16 import AdamW
@@ -114,6 +151,9 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=opts.get("resume"))
     result = {"losses": losses, **engine_state(trainer.model_wrapped, rank)}
+    if opts.get("lora"):
+        result["lora"] = lora_report(trainer.model_wrapped.module, before, result["memory_report"], out, rank)
+        trainer.save_model(str(out / "adapter"))  # PEFT's save_pretrained: the adapters only
     result["replaced_warnings"] = [str(w.message) for w in seen if "the host replaced it" in str(w.message)]
     result["scheduler_lr"] = trainer.lr_scheduler.get_last_lr()
     if opts.get("export"):
