@@ -216,3 +216,39 @@ def test_peft_lora_trains_its_adapters_only_with_the_base_bit_exact_under_both_f
         loaded = dict(PeftModel.from_pretrained(tiny_gpt2(), str(out / "adapter")).named_parameters())
         for name, live in ranks[0]["adapters"].items():
             assert torch.equal(loaded[name].to(live.dtype), live), f"{out.name}: {name}"
+
+
+def test_accelerate_launch_with_a_deepspeed_config_file(tmp_path):
+    # `accelerate launch --config_file` with DeepSpeed and a DeepSpeed config file of the user's: the launcher starts
+    # both processes and sets ACCELERATE_USE_DEEPSPEED; PureBF16Accelerator takes the file's ZeRO-3 settings.
+    import subprocess
+    import sys
+
+    from tests.strategy_runs import SCRIPTS, _env, free_port
+
+    (tmp_path / "ds.json").write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": 4096, "stage3_param_persistence_threshold": 0},
+                "bf16": {"enabled": True},
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": 1.0,
+            }
+        )
+    )
+    (tmp_path / "accelerate.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+        f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\nnum_machines: 1\n"
+        f"num_processes: 2\nmachine_rank: 0\nmain_process_ip: 127.0.0.1\nmain_process_port: {free_port()}\n"
+        "use_cpu: true\n"
+    )
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml")]
+    command += [str(SCRIPTS / "accelerate_launch_gpt2.py"), str(tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in load_ranks(tmp_path):
+        assert rank["world"] == 2 and rank["zero_stage"] == 3 and rank["config_bucket"] == 4096
+        assert rank["optimizer_class"] == "lightning_pure_bf16.optim.adamw.AdamW"
+        assert rank["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+        assert rank["global_steps"] == 4 and all(torch.isfinite(torch.tensor(rank["losses"])))
