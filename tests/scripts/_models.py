@@ -12,8 +12,12 @@ class MLP(nn.Module):
     def __init__(self, hidden: int = 64, depth: int = 1) -> None:
         super().__init__()
         h = hidden
-        middle = [m for _ in range(depth) for m in (nn.Linear(h, h), nn.GELU())]
-        self.net = nn.Sequential(nn.Linear(16, h), nn.GELU(), *middle, nn.Linear(h, 1))
+        # Built in order (the first layer, then the middle ones, then the last), so that the random initial weights
+        # are the same for every depth's shared layers.
+        layers = [nn.Linear(16, h), nn.GELU()]
+        for _ in range(depth):
+            layers += [nn.Linear(h, h), nn.GELU()]
+        self.net = nn.Sequential(*layers, nn.Linear(h, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
