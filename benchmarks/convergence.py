@@ -55,7 +55,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _quality_arms as quality_arms  # noqa: E402
-from _quality_arms import FP32MasterAdamW  # noqa: E402
 from _results import write_results  # noqa: E402
 from gpt import GPT, ByteWindows, GPTConfig, load_bytes, lr_factor, stdlib_files  # noqa: E402
 
@@ -81,23 +80,26 @@ INT8_LRS = (1e-4, 3e-4, 1e-3)
 INT8_SEEDS = (0, 1)
 
 
+# This script's older arm names for the arms of _quality_arms (the same optimizers, the same betas).
+_STUDY_NAMES = {
+    "bf16_mixed": "fp32_masters",
+    "stochastic": "stochastic",
+    "kahan": "kahan",
+    "int8": "int8",
+    "int8_kahan": "int8_kahan",
+    "torchao_bf16_sr": "torchao_sr",
+}
+
+
 def make_optimizer(arm: str, groups: list[dict], lr: float, seed: int) -> torch.optim.Optimizer:
     """The optimizer of one arm (fp32 weights for "fp32", bf16 weights for every other)."""
-    betas = (0.9, 0.95)
+    if arm in _STUDY_NAMES:  # the arms the quality studies share, built in one place
+        return quality_arms.make_optimizer(_STUDY_NAMES[arm], groups, lr, seed)
+    betas = quality_arms.BETAS
     if arm == "fp32":
         return torch.optim.AdamW(groups, lr=lr, betas=betas)
-    if arm == "bf16_mixed":
-        return FP32MasterAdamW(groups, lr=lr, betas=betas)
-    if arm in ("nearest", "stochastic", "kahan"):
-        return AdamW(groups, lr=lr, betas=betas, rounding=arm, seed=seed)
-    if arm == "int8":
-        return AdamW(groups, lr=lr, betas=betas, moments="int8", seed=seed)
-    if arm == "int8_kahan":
-        return AdamW(groups, lr=lr, betas=betas, rounding="kahan", moments="int8", compensation="int8", seed=seed)
-    if arm == "torchao_bf16_sr":
-        from torchao.optim import _AdamW
-
-        return _AdamW(groups, lr=lr, betas=betas, bf16_stochastic_round=True)
+    if arm == "nearest":
+        return AdamW(groups, lr=lr, betas=betas, rounding="nearest", seed=seed)
     if arm == "torchao_8bit":
         from torchao.optim import AdamW8bit
 
@@ -133,6 +135,27 @@ def evaluate(model: GPT, val: ByteWindows, dtype: torch.dtype, batch: int, devic
     return total / count
 
 
+def train_step(
+    model: GPT,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    train: ByteWindows,
+    step: int,
+    batch_size: int,
+    device: torch.device,
+) -> None:
+    """One optimizer step on the ``step``-th batch of ``train`` (the same data order in every arm)."""
+    idx = range(step * batch_size, (step + 1) * batch_size)
+    x, y = zip(*(train[i] for i in idx))
+    x, y = torch.stack(x).to(device), torch.stack(y).to(device)
+    logits = model(x).float()
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+
+
 def train_arm(
     arm: str,
     lr: float,
@@ -156,15 +179,7 @@ def train_arm(
     curve = [(0, evaluate(model, val, dtype, args.batch_size, device))]
     start = time.perf_counter()
     for step in range(args.steps):
-        idx = range(step * args.batch_size, (step + 1) * args.batch_size)
-        x, y = zip(*(train[i] for i in idx))
-        x, y = torch.stack(x).to(device), torch.stack(y).to(device)
-        logits = model(x).float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        train_step(model, opt, sched, train, step, args.batch_size, device)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, evaluate(model, val, dtype, args.batch_size, device)))
     elapsed = time.perf_counter() - start
@@ -480,15 +495,7 @@ def train_study_arm(
         curve = [(0, evaluate(model, val, torch.bfloat16, args.batch_size, device))]
     start = time.perf_counter() - elapsed
     for step in range(first, args.steps):
-        idx = range(step * args.batch_size, (step + 1) * args.batch_size)
-        x, y = zip(*(train[i] for i in idx))
-        x, y = torch.stack(x).to(device), torch.stack(y).to(device)
-        logits = model(x).float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        train_step(model, opt, sched, train, step, args.batch_size, device)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, evaluate(model, val, torch.bfloat16, args.batch_size, device)))
             if step + 1 < args.steps:
@@ -519,7 +526,7 @@ def quality_study(args: argparse.Namespace, device: torch.device) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs_path = args.out / f"{stem}_runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
-    arms = [a for a in (args.arms or quality_arms.STUDY_ARMS)]
+    arms = list(args.arms or quality_arms.STUDY_ARMS)
     skipped = {arm: why for arm in arms if (why := quality_arms.missing_peer(arm))}
     for arm, why in skipped.items():
         print(f"{arm}: {why}", file=sys.stderr)
@@ -660,7 +667,6 @@ def write_study_report(
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("validation loss (nats/byte): mean, band = seed range")
         ax.set_title(f"{'fine-tuning ' if finetune else ''}lr {lr:g}")
-        # The end of the curves is what the table compares: show it closer.
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     what = "fine-tuning on the documentation's prose" if finetune else f"{tokens / 1e6:.1f}M tokens of Python source"
