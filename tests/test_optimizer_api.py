@@ -444,12 +444,25 @@ def dtensor(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_fsdp2_dtensor_parameters_and_gradients_are_refused_not_crashed_on(dtensor, backend):
+def test_dtensor_layouts_the_update_cannot_take_are_refused_not_crashed_on(dtensor, backend):
+    """DTensor parameters train (tests/test_fsdp2.py); what cannot be trained is refused before anything changes."""
+    from torch.distributed.tensor import DTensor, Partial
+
     import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
 
-    with pytest.raises(TypeError, match=r"shape \(8, 4\) is a DTensor.*fully_shard.*deepspeed_pure_bf16"):
-        AdamW([dtensor], backend=backend)
-    # A plain parameter whose gradient is a DTensor is refused at the first step, before anything changes.
+    with pytest.raises(ValueError, match=r"state_storage='mmap'.*DTensor parameter of shape \(8, 4\).*'memory'"):
+        AdamW([dtensor], backend=backend, state_storage="mmap", state_dir=".")
+    pending = nn.Parameter(DTensor.from_local(dtensor.to_local(), dtensor.device_mesh, [Partial()]))
+    with pytest.raises(TypeError, match=r"shape \(8, 4\) cannot be trained: .*pending reduction"):
+        AdamW([pending], backend=backend)
+    # A DTensor parameter whose gradient is a plain tensor, and a plain one whose gradient is a DTensor: refused at
+    # the first step, before anything changes.
+    opt = AdamW([dtensor], backend=backend)
+    before = dtensor.detach().to_local().clone()
+    dtensor.grad = torch.ones(8, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"has a gradient that is a plain Tensor.*sharded like it"):
+        opt.step()
+    assert len(opt.state[dtensor]) == 0 and torch.equal(dtensor.detach().to_local(), before)
     p = nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16))
     opt = AdamW([p], backend=backend)
     p.grad = dtensor.detach()

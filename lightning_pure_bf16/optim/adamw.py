@@ -35,7 +35,8 @@ from lightning_pure_bf16.ops.adamw_torch import (
     adamw_update_torch_,
     intercepts_operations,
 )
-from lightning_pure_bf16.ops.rng import Buffer, draw_seed, random_bits, stream_key
+from lightning_pure_bf16.ops.rng import Buffer, draw_seed, random_bits, rank_seed, stream_key
+from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
     MmapStateStore,
@@ -96,13 +97,14 @@ def _triton_can_run(t: torch.Tensor) -> bool:
 
 def _refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:
     """The update writes each element in place, through raw memory on the CPU and in Triton: a tensor subclass that
-    intercepts operations (FSDP2's DTensor holds no memory of its own) would be written past, or crash the CPU loop."""
+    intercepts operations and holds no memory of its own would be written past, or crash the CPU loop. DTensors are
+    taken apart before this check (their local shard is a plain tensor)."""
     if intercepts_operations(t):
         raise TypeError(
-            f"{name} updates plain tensors in place; {what} of shape {tuple(t.shape)} is a {type(t).__name__}, a tensor"
-            " subclass that holds no memory of its own or intercepts operations (FSDP2's `fully_shard` and tensor"
-            " parallelism make DTensors). Train with `strategy='deepspeed_pure_bf16'`, which shards the parameters"
-            " itself, or give the optimizer plain tensors."
+            f"{name} updates plain tensors and DTensors in place; {what} of shape {tuple(t.shape)} is a"
+            f" {type(t).__name__}, a tensor subclass that intercepts operations and may hold no memory of its own."
+            " Give the optimizer plain tensors or DTensors (FSDP2's `fully_shard`, tensor parallelism), or train with"
+            " `strategy='deepspeed_pure_bf16'`, which shards the parameters itself."
         )
 
 
@@ -270,7 +272,7 @@ class AdamW(Optimizer):
         for p in params:
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # a named parameter
             if isinstance(p, torch.Tensor):
-                _refuse_subclass(type(self).__name__, p, "a parameter")
+                self._check_tensor_kind(p)
             if isinstance(p, torch.Tensor) and p.dtype not in (torch.bfloat16, torch.float32):
                 raise TypeError(
                     f"{type(self).__name__} supports bfloat16 and float32 parameters, got a {p.dtype} parameter of"
@@ -288,6 +290,22 @@ class AdamW(Optimizer):
         # torch checks the rest (sets, non-tensors, names on some parameters only, a parameter in two groups).
         super().add_param_group(param_group)
         self._given_params.update(id(p) for p in self.param_groups[-1]["params"])
+
+    def _check_tensor_kind(self, p: torch.Tensor) -> None:
+        name = type(self).__name__
+        if not sharded.is_dtensor(p):
+            _refuse_subclass(name, p, "a parameter")
+            return
+        why = sharded.unsupported_placement(p)
+        if why is not None:
+            raise TypeError(f"{name}: a DTensor parameter of shape {tuple(p.shape)} cannot be trained: {why}.")
+        if self.state_storage == "mmap":
+            raise ValueError(
+                f"`{name}(state_storage='mmap')` keeps whole tensors' states in files; a DTensor parameter of shape"
+                f" {tuple(p.shape)} (FSDP2, tensor parallelism) has only a shard on this rank. Use"
+                " `state_storage='memory'` with sharded parameters."
+            )
+        _refuse_subclass(name, sharded.local(p), "the local shard of a DTensor parameter")
 
     @property
     def state_dir(self) -> str | None:
@@ -317,7 +335,12 @@ class AdamW(Optimizer):
     @torch.no_grad()
     def nonfinite_grads(self) -> torch.Tensor:
         """A 0-dim float32 tensor: 1.0 if any gradient of this optimizer holds inf or NaN, else 0.0 (one reduction)."""
-        found = [self._nonfinite(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        found = [
+            self._nonfinite(sharded.local(p.grad))
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         if any(f is True for f in found):
             return torch.ones((), dtype=torch.float32)
         flags = [f.to(torch.float32) for f in found if isinstance(f, torch.Tensor)]
@@ -355,7 +378,7 @@ class AdamW(Optimizer):
                 loss = closure()
         # Validate everything first, so a bad gradient or device fails before any buffer or counter changes.
         plan = [
-            (p, group, self._pick_backend(p))
+            (p, group, self._pick_backend(*self._local_pair(p)))
             for group in self.param_groups
             for p in group["params"]
             if p.grad is not None
@@ -365,6 +388,10 @@ class AdamW(Optimizer):
             flag = self.nonfinite_grads()
             if self.nonfinite_reduce is not None:
                 flag = self.nonfinite_reduce(flag)
+            elif self._sharded_params() and torch.distributed.is_initialized():
+                # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every
+                # rank takes part.
+                flag = sharded.agree_any(flag, self._sharded_params())
             if bool(flag.item()):
                 self.record_skipped_step()
                 return loss
@@ -378,6 +405,25 @@ class AdamW(Optimizer):
         for p, group, backend in plan:
             self._update(p, group, backend)
         return loss
+
+    def _sharded_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if sharded.is_dtensor(p)]
+
+    def _local_pair(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors the update writes and reads: a DTensor parameter's local shard and its gradient's."""
+        if not sharded.is_dtensor(p):
+            return p, p.grad
+        sharded.check_grad(type(self).__name__, p, p.grad)
+        return sharded.local(p), sharded.local(p.grad)
+
+    def _noise(self, p: torch.Tensor) -> tuple[int, int]:
+        """The seed and the index of the first element that ``p``'s update draws its random bits with: the
+        optimizer's seed and 0 for a plain tensor; for a DTensor's shard, its elements' indices in the whole tensor
+        (or a seed of the shard's own, see :mod:`lightning_pure_bf16.optim.sharded`)."""
+        if not sharded.is_dtensor(p):
+            return self.seed, 0
+        where = sharded.layout(p, block=quant.QBLOCK if self._int8_moments(p) else 1)
+        return (self.seed if where.shard is None else rank_seed(self.seed, where.shard)), where.index_offset
 
     def _refuse_float32_masters(self, plan: list[tuple[torch.Tensor, dict[str, Any], str]]) -> None:
         """A float32 tensor put in the param groups in place of the parameters this optimizer was given is a wrapper's
@@ -452,31 +498,38 @@ class AdamW(Optimizer):
         return self.moments == "int8" and p.dtype == torch.bfloat16
 
     def _buffer_spec(self, p: torch.Tensor, key: str) -> tuple[int, torch.dtype]:
-        """Elements and dtype of the state buffer ``key`` of ``p``."""
+        """Elements and dtype of the state buffer ``key`` of ``p`` (of its local shard, for a DTensor)."""
         if key in _SCALE_KEYS:
-            return quant.scale_blocks(p.numel()), torch.bfloat16
+            # Scale blocks start at the shard's first element: a block never spans two ranks.
+            return quant.scale_blocks(sharded.local(p).numel()), torch.bfloat16
         dtype = p.dtype
         if self._int8_moments(p) and key in _BUFFER_KEYS[:2]:
             dtype = torch.int8 if key == "exp_avg" else torch.uint8
         elif key == "kahan_comp" and self.compensation == "int8":
             dtype = torch.int8
-        return p.numel(), dtype
+        return sharded.local(p).numel(), dtype
 
     def _new_buffer(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """A zero buffer; for a DTensor parameter, a DTensor sharded like it (its block scales: this rank's, plain)."""
         numel, dtype = self._buffer_spec(p, key)
-        shape = (numel,) if key in _SCALE_KEYS else p.shape
-        return torch.zeros(shape, dtype=dtype, device=p.device)
+        shard = sharded.local(p)
+        shape = (numel,) if key in _SCALE_KEYS else shard.shape
+        buffer = torch.zeros(shape, dtype=dtype, device=shard.device)
+        return sharded.like(buffer, p) if sharded.is_dtensor(p) and key not in _SCALE_KEYS else buffer
 
     @torch.no_grad()
     def dequantized_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The moments (and Kahan remainder) of ``p`` as float32 tensors of its shape, whatever their format.
+        """The moments (and Kahan remainder) of ``p`` as float32 tensors of its shape, whatever their format (of this
+        rank's shard's shape, for a DTensor parameter).
 
         For inspection, tests and conversion; an empty dict before ``p``'s state exists.
         """
-        state = self.state.get(p, {})
+        stored = self.state.get(p, {})
         out: dict[str, torch.Tensor] = {}
-        if "exp_avg" not in state:
+        if "exp_avg" not in stored:
             return out
+        state = {k: sharded.local(v) if isinstance(v, torch.Tensor) else v for k, v in stored.items()}
+        p = sharded.local(p)
         if state["exp_avg"].dtype == torch.int8:
             out["exp_avg"] = quant.decode_m(state["exp_avg"].reshape(-1), state["exp_avg_scale"])
             out["exp_avg_sq"] = quant.decode_v(state["exp_avg_sq"].reshape(-1), state["exp_avg_sq_scale"])
@@ -508,6 +561,8 @@ class AdamW(Optimizer):
             ValueError: a slice outside ``p``, or one that cuts an 8-bit scale block.
         """
         name = type(self).__name__
+        if sharded.is_dtensor(p):
+            raise TypeError(f"{name}.update_slice: slices of ZeRO-3 partitions only; this is a DTensor, use `step`.")
         state = self.state.get(p, {})
         if "exp_avg" not in state:
             raise RuntimeError(f"{name}.update_slice: the tensor has no state yet; call `init_states` first.")
@@ -550,7 +605,9 @@ class AdamW(Optimizer):
             found = [next(rest) if isinstance(f, torch.Tensor) else f for f in found]
         return [bool(f) for f in found]
 
-    def _step_args(self, group: dict[str, Any], state: dict[str, Any], step: int) -> UpdateArgs:
+    def _step_args(
+        self, group: dict[str, Any], state: dict[str, Any], step: int, seed: int | None = None
+    ) -> UpdateArgs:
         beta1, beta2 = group["betas"]
         return UpdateArgs(
             lr=float(group["lr"]),
@@ -561,7 +618,9 @@ class AdamW(Optimizer):
             decoupled=bool(group["decoupled_weight_decay"]),
             step=step,
             rounding=group["rounding"],
-            keys=tuple(stream_key(self.seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
+            keys=tuple(  # type: ignore[arg-type]
+                stream_key(self.seed if seed is None else seed, state["stream"], step, b) for b in Buffer
+            ),
         )
 
     def _update_function(self, backend: str) -> Callable[..., None]:
@@ -578,8 +637,19 @@ class AdamW(Optimizer):
         step = int(state["step"].item())
         rounding = group["rounding"]
         kahan_comp = state.get("kahan_comp") if rounding == "kahan" else None
-        args = self._step_args(group, state, step)
         update = self._update_function(backend)
+        if sharded.is_dtensor(p):
+            seed, offset = self._noise(p)
+            args = self._step_args(group, state, step, seed)
+            shard, grad = self._local_pair(p)
+            buffers = {k: sharded.local(v) for k, v in state.items() if k in _STORED_KEYS}
+            if shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
+                scales = {k: buffers[k] for k in _SCALE_KEYS if k in buffers}
+                comp = buffers.get("kahan_comp") if rounding == "kahan" else None
+                m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
+                update(shard, grad, m, v, comp, args, index_offset=offset, **scales)
+            return
+        args = self._step_args(group, state, step)
         if self._store is None:
             scales = {k: state[k] for k in _SCALE_KEYS if k in state}
             update(p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp, args, **scales)
@@ -709,7 +779,13 @@ class AdamW(Optimizer):
         self._load_buffers_into_files(saved)
 
     def state_dict(self) -> dict[str, Any]:
-        """The torch state dict plus the rounding seed, the stream counter and the skipped-step count."""
+        """The torch state dict plus the rounding seed, the stream counter and the skipped-step count.
+
+        With DTensor parameters (FSDP2, tensor parallelism) every state tensor with one element per parameter element
+        is a DTensor sharded like its parameter, so ``torch.distributed.checkpoint`` saves and reshards it; the 8-bit
+        moments' block scales are given once per element for that (only in the state dict: in memory a block of 128
+        elements has one), and the seed and counters are repeated in every parameter group, which
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps (it drops other top-level keys)."""
         if self._closed and self._store is not None:
             raise RuntimeError(
                 f"This {type(self).__name__} was closed and its state files removed: there are no moments to save."
@@ -723,6 +799,11 @@ class AdamW(Optimizer):
             "skipped_steps": self.skipped_steps,
             "next_stream": self._next_stream,
         }
+        if self._sharded_params():
+            params = [p for g in self.param_groups for p in g["params"]]
+            sd["state"] = {index: _per_element_scales(params[index], st) for index, st in sd["state"].items()}
+            for group in sd["param_groups"]:
+                group[_STATE_EXTRA_KEY] = dict(sd[_STATE_EXTRA_KEY])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -741,6 +822,15 @@ class AdamW(Optimizer):
         def unpack(_: Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
             sd = dict(sd)
             extra = sd.pop(_STATE_EXTRA_KEY, None)
+            groups = sd.get("param_groups")
+            if isinstance(groups, list) and any(isinstance(g, dict) and _STATE_EXTRA_KEY in g for g in groups):
+                # Saved with DTensor parameters (and perhaps through torch.distributed.checkpoint, which keeps only
+                # the state and the groups).
+                in_groups = [g.get(_STATE_EXTRA_KEY) for g in groups if isinstance(g, dict)]
+                sd["param_groups"] = [
+                    {k: v for k, v in g.items() if k != _STATE_EXTRA_KEY} if isinstance(g, dict) else g for g in groups
+                ]
+                extra = extra if extra is not None else in_groups[0]
             if extra is None:
                 sd = self._from_torch_state_dict(sd)
             loaded["extra"] = extra
@@ -854,30 +944,65 @@ class AdamW(Optimizer):
             for key, dtype in dtypes.items():
                 if key in state and state[key].dtype != dtype and not dtype.is_floating_point:
                     state[key] = state[key].to(dtype)
+            if sharded.is_dtensor(p):
+                self._compact_scales(p, state)
             present = {k: state[k] for k in _STORED_KEYS if k in state}
             state.update(self._encode_float_buffers(p, state["stream"], present))
+
+    def _compact_scales(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """8-bit moments of a DTensor parameter loaded from :meth:`state_dict`, where each block scale is saved once per
+        element (so DCP can reshard it like the parameter): back to one scale per block of this rank's shard. Saved at
+        the same sharding, every block's elements carry one scale and the codes stay as they were, bit for bit; saved
+        at another, the moments are decoded with each element's own scale and encoded again in this rank's blocks."""
+        per_element = {k: state[k] for k in _SCALE_KEYS if sharded.is_dtensor(state.get(k))}
+        if not per_element:
+            return
+        n = sharded.local(p).numel()
+        scales = {k: sharded.local(v).reshape(-1).to(torch.bfloat16) for k, v in per_element.items()}
+        compact = {k: v[:: quant.QBLOCK].clone() for k, v in scales.items()}
+        if all(torch.equal(compact[k].repeat_interleave(quant.QBLOCK)[:n], scales[k]) for k in scales):
+            state.update(compact)
+            return
+        for key, decode in (("exp_avg", quant.decode_m), ("exp_avg_sq", quant.decode_v)):
+            codes = sharded.local(state[key]).reshape(-1)
+            unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=codes.device)
+            values = decode(codes, unit) * scales[f"{key}_scale"].float()
+            # Floats, encoded in this rank's blocks by _encode_float_buffers.
+            state[key] = sharded.like(values.view(sharded.local(p).shape), p)
+            del state[f"{key}_scale"]
 
     def _encode_float_buffers(
         self, p: torch.Tensor, stream: int, buffers: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Moments or a remainder saved as floats (bf16, float32, torch.optim), for this optimizer's 8-bit formats:
         encoded once, with noise of the tensor's own stream at step 0 (never an update step). Others unchanged."""
-        out = dict(buffers)
-        step_keys = [stream_key(self.seed, stream, 0, b) for b in Buffer]
+        seed, offset = self._noise(p)
+        param, dtensor, p = p, sharded.is_dtensor(p), sharded.local(p)
+        out = {k: sharded.local(v) for k, v in buffers.items()}
+        step_keys = [stream_key(seed, stream, 0, b) for b in Buffer]
         idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
+        changed = set()
         if self._int8_moments(p) and "exp_avg" in out and out["exp_avg"].is_floating_point():
             m = out.pop("exp_avg").float().reshape(-1).to(p.device)
             v = out.pop("exp_avg_sq").float().reshape(-1).to(p.device)
             m_scale, v_scale = quant.block_scales(m), quant.block_scales(v)
-            out["exp_avg"] = quant.encode_m(m, m_scale, random_bits(step_keys[1], 0, idx)).view(p.shape)
-            out["exp_avg_sq"] = quant.encode_v(v, v_scale, random_bits(step_keys[2], 0, idx)).view(p.shape)
+            out["exp_avg"] = quant.encode_m(m, m_scale, random_bits(step_keys[1], offset, idx)).view(p.shape)
+            out["exp_avg_sq"] = quant.encode_v(v, v_scale, random_bits(step_keys[2], offset, idx)).view(p.shape)
             out["exp_avg_scale"], out["exp_avg_sq_scale"] = m_scale, v_scale
+            changed |= {"exp_avg", "exp_avg_sq"}
         comp = out.get("kahan_comp")
         if comp is not None and self.compensation == "int8" and comp.is_floating_point():
             c = comp.float().reshape(-1).to(p.device)
-            codes = quant.encode_residual(c, p.detach().reshape(-1), random_bits(step_keys[0], 0, idx))
+            codes = quant.encode_residual(c, p.detach().reshape(-1), random_bits(step_keys[0], offset, idx))
             out["kahan_comp"] = codes.view(p.shape)
-        return out
+            changed.add("kahan_comp")
+        if not dtensor:
+            return out
+        # A DTensor parameter's element-wise buffers stay DTensors sharded like it; its block scales are this rank's.
+        return {
+            k: v if k in _SCALE_KEYS else buffers[k] if k not in changed else sharded.like(v, param)
+            for k, v in out.items()
+        }
 
     def _check_saved_buffers(self, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""
@@ -985,6 +1110,20 @@ def _saveable(state: dict[str, Any]) -> dict[str, Any]:
             if first.setdefault(ptr, value.dtype) != value.dtype:
                 value = value.clone()
         out[key] = value
+    return out
+
+
+def _per_element_scales(p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+    """One tensor's state with its 8-bit block scales repeated for every element of its shard, as a DTensor sharded
+    like the DTensor ``p`` (see :meth:`AdamW.state_dict`); other states unchanged."""
+    if not sharded.is_dtensor(p) or not any(k in state for k in _SCALE_KEYS):
+        return state
+    shard = sharded.local(p)
+    out = dict(state)
+    for key in _SCALE_KEYS:
+        if key in state:
+            per_element = state[key].repeat_interleave(quant.QBLOCK)[: shard.numel()].view(shard.shape)
+            out[key] = sharded.like(per_element, p)
     return out
 
 
