@@ -2,7 +2,9 @@
 
 Importing the package registers ``"deepspeed_pure_bf16"`` and its presets (``_kahan``, ``_int8``, ``_int8_kahan``,
 ``_mmap``) with Lightning's Trainer and with Fabric, so ``Trainer(strategy="deepspeed_pure_bf16")`` and
-``Fabric(strategy="deepspeed_pure_bf16")`` work in any script or LightningCLI config that imports it.
+``Fabric(strategy="deepspeed_pure_bf16")`` work in any script or LightningCLI config that imports it; and
+``"fsdp2_pure_bf16"`` (with ``_kahan``, ``_int8``, ``_int8_kahan``) with the Trainer, for models that shard themselves
+with PyTorch FSDP2.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -11,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint, consolidate_optimizer_state
 from lightning_pure_bf16.data import resume_fabric_dataloader
 from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
+from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Strategy
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.precision import PureBF16FabricPrecision, PureBF16Precision
@@ -20,6 +23,7 @@ __version__ = "0.1.0"
 
 DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)
 DeepSpeedPureBF16FabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+FSDP2PureBF16Strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "Adam",
@@ -27,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "DeepSpeedPureBF16FabricStrategy",
     "DeepSpeedPureBF16Strategy",
+    "FSDP2PureBF16Strategy",
     "PureBF16FabricPrecision",
     "PureBF16Precision",
     "StateStorageError",

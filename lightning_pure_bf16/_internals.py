@@ -856,6 +856,42 @@ CHECKPOINT_GLOBALS = (
 )
 
 
+# What the ``.metadata`` file of a ``torch.distributed.checkpoint`` folder (FSDP2's checkpoints) names: DCP's metadata
+# dataclasses and enum, its file reader's storage record, torch.Size, the layout decoder and paths; torch's dtypes,
+# layouts and memory formats are allowed besides (see :func:`dcp_metadata_global`). DCP reads the file with
+# ``pickle.load``, which would call anything the file names; constructing these runs no code beyond their own.
+DCP_METADATA_GLOBALS = (
+    "torch.distributed.checkpoint.metadata:Metadata",
+    "torch.distributed.checkpoint.metadata:TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata:BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata:ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata:TensorProperties",
+    "torch.distributed.checkpoint.metadata:MetadataIndex",
+    "torch.distributed.checkpoint.metadata:StorageMeta",
+    "torch.distributed.checkpoint.metadata:_MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem:_StorageInfo",
+    "torch:Size",
+    "torch.serialization:_get_layout",
+    "pathlib:PosixPath",
+    "pathlib:PurePosixPath",
+    "pathlib:WindowsPath",
+    "pathlib:PureWindowsPath",
+    "collections:OrderedDict",
+)
+
+
+def dcp_metadata_global(module: str, name: str) -> Any:
+    """The object a DCP ``.metadata`` file may name as ``module.name``, or ``None`` when it is not allowed: one of
+    :data:`DCP_METADATA_GLOBALS`, or a torch dtype, layout or memory format (pickled by name)."""
+    if f"{module}:{name}" in DCP_METADATA_GLOBALS:
+        return resolve(f"{module}:{name}")
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+    return None
+
+
 def checkpoint_safe_globals() -> list[Any]:
     """The allowlist of :data:`CHECKPOINT_GLOBALS` for torch's weights-only unpickler (``torch.serialization``)."""
     return [resolve(name) for name in CHECKPOINT_GLOBALS]
@@ -864,12 +900,14 @@ def checkpoint_safe_globals() -> list[Any]:
 __all__ = [
     "CHECKPOINT_GLOBALS",
     "COPIED_UPSTREAM",
+    "DCP_METADATA_GLOBALS",
     "FabricBackwardSyncControl",
     "PRIVATE_NAMES",
     "PrivateName",
     "UpstreamChanged",
     "alias_bf16_master_partitions",
     "checkpoint_safe_globals",
+    "dcp_metadata_global",
     "engine_skipped_steps",
     "fabric_dataloader",
     "fabric_unwrap",

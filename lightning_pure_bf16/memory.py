@@ -1,5 +1,5 @@
-"""Model-state memory accounting, measured from live ZeRO-3 buffers, and the measured peak beside it (used by the
-strategy, tests and benchmarks)."""
+"""Model-state memory accounting, measured from live ZeRO-3 buffers or FSDP2 shards, and the measured peak beside it
+(used by the strategies, tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -113,6 +113,51 @@ def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None
     report["state_files"] = in_files / max(n, 1)
     report["params_on_rank"] = float(n)
     frozen = [p.ds_tensor for p in (module.parameters() if module is not None else ()) if not p.requires_grad]
+    frozen_n = sum(t.numel() for t in frozen)
+    frozen_bytes = sum(_nbytes(t) for t in frozen)
+    report["frozen"] = frozen_bytes / frozen_n if frozen_n else 0.0
+    report["frozen_params_on_rank"] = float(frozen_n)
+    report["whole_model"] = (report["total"] * n + frozen_bytes) / max(n + frozen_n, 1)
+    return report
+
+
+def sharded_model_state_report(
+    optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None
+) -> dict[str, float]:
+    """Bytes per parameter of this rank's shards, by category, for an optimizer over DTensor parameters (FSDP2's
+    ``fully_shard``, tensor parallelism) or plain ones: the same keys as :func:`zero3_model_state_report`.
+
+    ``param`` is every trainable parameter's local shard, ``grad`` its gradient's local shard where one exists (after a
+    backward, before ``zero_grad``), else the parameter's element size (FSDP2 reduce-scatters into the parameter's
+    dtype unless a ``MixedPrecisionPolicy`` asks otherwise), then every state tensor with one element per parameter
+    element (its local shard) and the 8-bit block scales with their moment. Frozen parameters of ``module`` are
+    counted apart (``frozen``) and in ``whole_model``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    nbytes = dict.fromkeys(CATEGORIES, 0)
+    n = 0
+    trainable = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            trainable.add(id(p))
+            shard = local(p)
+            n += shard.numel()
+            nbytes["param"] += _nbytes(shard)
+            grad = local(p.grad) if p.grad is not None else None
+            nbytes["grad"] += _nbytes(grad) if grad is not None else shard.numel() * shard.element_size()
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    category = _STATE_CATEGORY.get(key, key)
+                    nbytes[category if category in nbytes else "other_state"] += _nbytes(local(value))
+    report = {k: v / max(n, 1) for k, v in nbytes.items()}
+    report["total"] = sum(report.values())
+    report["state_files"] = 0.0
+    report["params_on_rank"] = float(n)
+    frozen = [local(p) for p in (module.parameters() if module is not None else ()) if id(p) not in trainable]
     frozen_n = sum(t.numel() for t in frozen)
     frozen_bytes = sum(_nbytes(t) for t in frozen)
     report["frozen"] = frozen_bytes / frozen_n if frozen_n else 0.0

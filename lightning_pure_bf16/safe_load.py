@@ -23,7 +23,8 @@ from lightning_pure_bf16 import _internals
 
 # The ways to opt in, in the words of each front end (one message for all: a checkpoint travels between them).
 TRUST_OPT_IN = (
-    "`DeepSpeedPureBF16Strategy(trust_checkpoint=True)` for the Trainer, `fabric.load(..., weights_only=False)`,"
+    "`DeepSpeedPureBF16Strategy(trust_checkpoint=True)` or `FSDP2PureBF16Strategy(trust_checkpoint=True)` for the"
+    " Trainer, `fabric.load(..., weights_only=False)`,"
     " `lightning_pure_bf16.deepspeed.load_checkpoint(..., trust_checkpoint=True)`, `trust_checkpoint=True` on the"
     " consolidation and export functions, or `--trust-checkpoint` on their commands"
 )
@@ -76,6 +77,55 @@ def check_state_files(paths: Iterable[Path], *, trust: bool = False) -> None:
         return
     for path in paths:
         load_state_file(path)
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Python's unpickler restricted to the classes a DCP ``.metadata`` file is made of (the pickle documentation's
+    "restricting globals"): any other name in the file stops the read before anything is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _internals.dcp_metadata_global(module, name)
+        if obj is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return obj
+
+
+def check_dcp_checkpoint(path: str | os.PathLike, *, trust: bool = False) -> None:
+    """Read what PyTorch's loaders would unpickle in a checkpoint written through ``torch.distributed.checkpoint``
+    (a folder: DCP's ``.metadata``, which DCP reads with ``pickle.load``, and Lightning's ``meta.pt``), or a single
+    torch file, without running code: a file that names anything else is refused before any loader sees it. Does
+    nothing when trusted.
+
+    Raises:
+        UntrustedCheckpointError: a file needs a type outside the allowlist.
+        CheckpointError: the checkpoint or its metadata is missing or unreadable.
+    """
+    if trust:
+        return
+    path = Path(path)
+    if not path.is_dir():
+        load_state_file(path)
+        return
+    metadata = path / ".metadata"
+    if not metadata.is_file():
+        raise CheckpointError(
+            f"'{path}' is not a torch.distributed.checkpoint folder: it has no '.metadata' file (an interrupted save,"
+            " or another kind of checkpoint). Nothing was loaded."
+        )
+    try:
+        with open(metadata, "rb") as f:
+            _DCPMetadataUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        raise UntrustedCheckpointError(
+            f"'{metadata}' names {_first_line(err)}, which torch.distributed.checkpoint's metadata never holds, and"
+            " reading it (DCP reads it with `pickle.load`) could run code on this machine. Nothing was loaded. If"
+            f" you trust whoever wrote this checkpoint, opt in with {TRUST_OPT_IN}; loading an untrusted file this way"
+            " can run any command as you."
+        ) from None
+    except (OSError, EOFError, ValueError, AttributeError, TypeError) as err:
+        raise CheckpointError(f"'{metadata}' is unreadable or corrupted: {_first_line(err)}") from err
+    for extra in path.glob("*.pt"):
+        load_state_file(extra)
 
 
 def verify_state_file(path: str | os.PathLike) -> None:
@@ -136,6 +186,7 @@ __all__ = [
     "CheckpointError",
     "TRUST_OPT_IN",
     "UntrustedCheckpointError",
+    "check_dcp_checkpoint",
     "check_state_files",
     "load_state_file",
     "verify_state_file",

@@ -95,3 +95,74 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(runs):
     assert [r["skipped_steps"] for r in ranks] == [1, 1]
     assert [r["inf_step_changed"] for r in ranks] == [[], []]
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+# ------------------------------------------------------------------------------------------- Trainer(strategy=...)
+LIGHTNING = ("fsdp2_pure_bf16", "fsdp2_pure_bf16_int8_kahan")
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_lightning")
+    run_script("fsdp2_lightning.py", out, json.dumps({"strategies": list(LIGHTNING), "unsharded": True}))
+    return out
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [(LIGHTNING[0], 8.0), (LIGHTNING[1], 7.03)])
+def test_the_trainer_strategy_converts_the_optimizer_and_resumes_mid_epoch_bit_for_bit(fits, strategy, expected):
+    for rank in range(2):
+        result = torch.load(fits / strategy / f"rank{rank}.pt", weights_only=False)
+        whole, resumed = result["whole"], result["resumed"]
+        assert whole["optimizer"] == "lightning_pure_bf16.optim.adamw.AdamW" and whole["scheduler_bound"]
+        # Measured after each backward, from the live shards of parameters, gradients and states.
+        assert all(r["total"] == pytest.approx(expected, abs=0.01) and r["grad"] == 2.0 for r in whole["reports"])
+        # The checkpoint at step 2 (a DCP folder) resumes the shuffled epoch's third batch and every bit after it.
+        assert resumed["batches"] == whole["batches"][2:] and resumed["losses"] == whole["losses"][2:]
+        assert resumed["lrs"] == whole["lrs"][2:]
+        for part in ("params", "states"):
+            assert whole[part].keys() == resumed[part].keys()
+            for key, value in whole[part].items():
+                assert torch.equal(value, resumed[part][key]), (part, key)
+
+
+def test_the_trainer_strategy_refuses_a_module_that_does_not_shard_itself(fits):
+    for rank in range(2):
+        error = torch.load(fits / f"unsharded_rank{rank}.pt", weights_only=False)["error"]
+        assert error is not None and "not sharded (for example 'model.net.0.weight')" in error
+        assert "fully_shard" in error and "configure_model" in error
+
+
+def test_the_trainer_strategy_refuses_mixed_precision():
+    from lightning.pytorch import Trainer
+
+    import lightning_pure_bf16  # noqa: F401
+
+    with pytest.raises(ValueError, match=r"strategy='fsdp2_pure_bf16', precision='bf16-mixed'.*pure bf16"):
+        Trainer(accelerator="cpu", devices=2, strategy="fsdp2_pure_bf16", precision="bf16-mixed")
+
+
+def test_a_dcp_checkpoint_that_would_run_code_is_refused_before_any_loader_reads_it(fits, tmp_path):
+    import os
+    import pickle
+    import shutil
+
+    from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Strategy
+    from lightning_pure_bf16.safe_load import UntrustedCheckpointError, check_dcp_checkpoint
+
+    saved = fits / LIGHTNING[0] / "ckpts" / "step=2.ckpt"
+    check_dcp_checkpoint(saved)  # what DCP and Lightning wrote reads with the allowlist
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    shared = tmp_path / "shared.ckpt"
+    shutil.copytree(saved, shared)
+    (shared / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UntrustedCheckpointError, match=r"names posix.system.*could run code.*trust_checkpoint=True"):
+        check_dcp_checkpoint(shared)
+    strategy = FSDP2PureBF16Strategy()
+    strategy.broadcast = lambda obj, src=0: obj  # one process, no group
+    with pytest.raises(UntrustedCheckpointError):
+        strategy.load_checkpoint(shared)
+    assert not (tmp_path / "ran").exists()

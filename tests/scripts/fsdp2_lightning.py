@@ -1,0 +1,130 @@
+"""``Trainer(strategy="fsdp2_pure_bf16...")`` on 2 CPU processes: a LightningModule that applies ``fully_shard`` in
+``configure_model`` and returns a ``torch.optim.AdamW`` with an LR scheduler. Two fits per strategy in one launch: 4
+steps with a checkpoint every 2 (mid-epoch, shuffled), and the last 2 resumed from the first checkpoint; each rank
+writes what it saw.
+
+    python fsdp2_lightning.py OUT '{"strategies": ["fsdp2_pure_bf16", "fsdp2_pure_bf16_int8"]}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from _models import MLP, data, param_groups
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightning_pure_bf16  # noqa: F401  (registers the strategies)
+
+STEPS = 4
+
+
+class Sharded(LightningModule):
+    def __init__(self, shard: bool = True) -> None:
+        super().__init__()
+        self.model = MLP(64)
+        self.shard = shard
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if not self.shard:  # a module that forgot to shard itself
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        loss = (self.model(x).float() - y).pow(2).mean()
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):  # noqa: ANN201
+        optimizer = torch.optim.AdamW(param_groups(self.model), lr=1e-2, betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.reports: list[dict] = []
+        self.lrs: list[float] = []
+        self.batches: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self.reports.append(trainer.strategy.memory_report())  # gradients exist here: measured, not assumed
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.losses.append(float(outputs["loss"]))
+        self.batches.append(float(batch[0].float().sum()))
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = True) -> dict:
+    seed_everything(0)
+    record = Record()
+    # Every 2 steps (mid-epoch: 4 batches per epoch and rank) a checkpoint, a DCP folder.
+    every = ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record, every],
+    )
+    module = Sharded(shard)
+    trainer.fit(module, DataLoader(data(64), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
+    optimizer = trainer.optimizers[0]
+    params = {n: p.detach().full_tensor().clone() for n, p in module.model.named_parameters()}
+    states = {
+        f"{n}.{k}": v.full_tensor().clone()
+        for n, p in module.model.named_parameters()
+        for k, v in optimizer.state[p].items()
+        if hasattr(v, "full_tensor")
+    }
+    return {
+        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__name__}",
+        "seed": optimizer.seed,
+        "scheduler_bound": trainer.lr_scheduler_configs[0].scheduler.optimizer is optimizer,
+        "losses": record.losses,
+        "lrs": record.lrs,
+        "batches": record.batches,
+        "reports": record.reports,
+        "params": params,
+        "states": states,
+        "rank": trainer.global_rank,
+    }
+
+
+def main(out: Path, opts: dict) -> None:
+    if opts.get("unsharded"):
+        try:
+            fit(out / "unsharded", "fsdp2_pure_bf16", shard=False)
+            error = None
+        except RuntimeError as err:
+            error = str(err)
+        torch.save({"error": error}, out / f"unsharded_rank{int(os.environ.get('LOCAL_RANK', 0))}.pt")
+    for strategy in opts.get("strategies", ["fsdp2_pure_bf16"]):
+        where = out / strategy
+        where.mkdir(parents=True, exist_ok=True)
+        whole = fit(where, strategy)
+        resumed = fit(where / "resumed", strategy, ckpt_path=str(where / "ckpts" / "step=2.ckpt"))
+        torch.save({"whole": whole, "resumed": resumed}, where / f"rank{whole['rank']}.pt")
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    main(out, json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
