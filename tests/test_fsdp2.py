@@ -166,3 +166,17 @@ def test_a_dcp_checkpoint_that_would_run_code_is_refused_before_any_loader_reads
     with pytest.raises(UntrustedCheckpointError):
         strategy.load_checkpoint(shared)
     assert not (tmp_path / "ran").exists()
+
+
+def test_fabric_with_fsdp2_trains_this_optimizer_in_bf16_and_resumes_bit_for_bit(tmp_path):
+    """Fabric's own ModelParallelStrategy, `precision="bf16-true"`, this package's AdamW built over the sharded
+    parameters: no strategy of this package is needed."""
+    run_script("fsdp2_fabric.py", tmp_path)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["dtypes"] == ["torch.bfloat16"]
+        # After the first step the states exist: 8 bytes per parameter of this rank's shards.
+        assert result["reports"][-1]["total"] == pytest.approx(8.0)
+        assert result["resumed"] == result["losses"][2:]
+        for key, value in result["params"].items():
+            assert torch.equal(value, result["resumed_params"][key]), key
