@@ -26,6 +26,8 @@ def runs(tmp_path_factory):
     run_script("fsdp2_adamw.py", out, json.dumps({"world": 2, "runs": two}))
     one = [{**run, "resume_from": str(out / run["name"])} for run in two[:-1]]
     one += [{"name": "plain", "plain": True}, {"name": "plain_seed2", "plain": True, "seed": 5678}]
+    one += [{"name": f"sharded_{name}", **opts} for name, (opts, _) in FORMATS.items()]
+    one += [{"name": f"plain_{name}", "plain": True, **opts} for name, (opts, _) in FORMATS.items()]
     run_script("fsdp2_adamw.py", out / "one", json.dumps({"world": 1, "runs": one}))
 
     def load(name: str, rank: int = 0) -> dict:
@@ -88,6 +90,16 @@ def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one(runs, fmt):
             assert torch.equal(value, loaded["states"][key]), key
     losses = runs(f"one/{fmt}")["losses"]
     assert losses == pytest.approx(runs(fmt)["losses"][3:], rel=0.02)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fully_shard_on_one_rank_trains_bit_for_bit_as_plain_tensors(runs, fmt):
+    """Each element draws its bits by its index in the whole tensor, so a tensor under ``fully_shard`` trains as the
+    plain tensor does (on more ranks, only the gradients' reduction order differs)."""
+    sharded, plain = runs(f"one/sharded_{fmt}"), runs(f"one/plain_{fmt}")
+    assert sharded["losses"] == plain["losses"]
+    for key, value in plain["final"]["params"].items():
+        assert torch.equal(value, sharded["final"]["params"][key]), key
 
 
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(runs):
