@@ -11,7 +11,9 @@ Arms (the ``ARMS`` keys):
   release with bf16 or 8-bit moments);
 - ``fsdp2_bf16``: PyTorch FSDP2 (``fully_shard``, what Lightning's ``ModelParallelStrategy`` wraps) with bf16
   parameters and torch AdamW (bf16 states, round to nearest);
-- ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``.
+- ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``;
+- ``fsdp2_pure_bf16``, ``fsdp2_pure_bf16_int8``: the same with this package's ``AdamW`` over the sharded parameters
+  (stochastic rounding; 8-bit moments).
 
 DeepSpeed's own arms run through ``deepspeed.initialize`` with this package's CPU setup for DeepSpeed (its CPU
 accelerator and communication buckets), so that they run on a CPU as this package's arms do. Every arm builds the
@@ -51,6 +53,8 @@ ARMS = {
     "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
     "fsdp2_bf16": "FSDP2 bf16 parameters, torch AdamW (bf16 states, nearest)",
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
+    "fsdp2_pure_bf16": "FSDP2 bf16 parameters, this package's AdamW (stochastic rounding)",
+    "fsdp2_pure_bf16_int8": "FSDP2 bf16 parameters, this package's AdamW, 8-bit moments",
 }
 OURS = {
     "pure_bf16": {},
@@ -340,6 +344,11 @@ def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
         from torchao.optim import _AdamW
 
         optimizer = _AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1, bf16_stochastic_round=True)
+    elif arm.startswith("fsdp2_pure_bf16"):
+        from lightning_pure_bf16 import AdamW
+
+        moments = "int8" if arm.endswith("_int8") else "bf16"
+        optimizer = AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1, moments=moments)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
 

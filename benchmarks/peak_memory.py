@@ -53,6 +53,9 @@ ARMS = {
     "stochastic_keep": {"gather_cache": "keep"},
     # PyTorch FSDP2 through Lightning's ModelParallelStrategy: fully_shard per layer, bf16 parameters, torch AdamW.
     "fsdp2": None,
+    # The same module and sharding under Trainer(strategy="fsdp2_pure_bf16..."): this package's AdamW over FSDP2.
+    "fsdp2_pure_bf16": None,
+    "fsdp2_pure_bf16_int8": None,
 }
 LAYERS, BATCH, STEPS = 8, 4, 4
 
@@ -170,10 +173,12 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layer
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     seed_everything(0)
-    if fsdp2:
+    if arm == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    elif fsdp2:
+        strategy = arm  # a registered name of this package's FSDP2 strategy
     else:
         options = dict(ARMS[arm])
         if config:
