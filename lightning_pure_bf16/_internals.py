@@ -160,6 +160,18 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "the storage of the precision plugin property the strategy overrides",
     ),
     PrivateName(
+        "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy",
+        "_data_parallel_size",
+        "attribute",
+        "the FSDP2 strategy's data-parallel size, set from the world size before the mesh is built",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy",
+        "_tensor_parallel_size",
+        "attribute",
+        "read with _data_parallel_size",
+    ),
+    PrivateName(
         "lightning.pytorch.strategies.deepspeed",
         "remove_module_hooks",
         "function",
@@ -892,6 +904,14 @@ def dcp_metadata_global(module: str, name: str) -> Any:
     return None
 
 
+def fill_data_parallel_size(strategy: Any) -> None:
+    """Lightning's ``ModelParallelStrategy`` with ``data_parallel_size="auto"`` takes the number of nodes; an FSDP2 run
+    alone on every rank needs the world size divided by the tensor-parallel size (before its mesh is built)."""
+    tensor_parallel = strategy._tensor_parallel_size
+    if strategy._data_parallel_size == "auto" and isinstance(tensor_parallel, int):
+        strategy._data_parallel_size = max(strategy.world_size // tensor_parallel, 1)
+
+
 def checkpoint_safe_globals() -> list[Any]:
     """The allowlist of :data:`CHECKPOINT_GLOBALS` for torch's weights-only unpickler (``torch.serialization``)."""
     return [resolve(name) for name in CHECKPOINT_GLOBALS]
@@ -911,6 +931,7 @@ __all__ = [
     "engine_skipped_steps",
     "fabric_dataloader",
     "fabric_unwrap",
+    "fill_data_parallel_size",
     "gradient_norm_in_pieces",
     "lightning_fit_position",
     "lightning_remove_module_hooks",

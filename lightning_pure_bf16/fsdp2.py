@@ -150,9 +150,8 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
     # ------------------------------------------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto" and isinstance(self._tensor_parallel_size, int):
-            # The world divided by the tensor-parallel size (Lightning's "auto" would be the number of nodes).
-            self._data_parallel_size = max(self.world_size // self._tensor_parallel_size, 1)
+        # "auto": the world divided by the tensor-parallel size (Lightning's "auto" would be the number of nodes).
+        _internals.fill_data_parallel_size(self)
         super().setup_environment()
 
     @contextlib.contextmanager

@@ -243,3 +243,12 @@ def test_fingerprint_sees_through_a_decorator_that_hides_the_function():
     stage3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
     names = ("step", "partition_grads", "_prepare_fp32_grad_for_sub_group")
     assert len({source_fingerprint(f"{stage3}.{name}") for name in names}) == len(names)
+
+
+@pytest.mark.parametrize("name", _internals.DCP_METADATA_GLOBALS)
+def test_every_class_a_dcp_metadata_file_may_name_exists(name):
+    module, _, qualname = name.partition(":")
+    assert _internals.dcp_metadata_global(module, qualname) is resolve(name)
+    # Anything else is refused, torch's callables included.
+    assert _internals.dcp_metadata_global("torch", "load") is None
+    assert _internals.dcp_metadata_global("os", "system") is None
