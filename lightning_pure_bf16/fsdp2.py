@@ -48,6 +48,14 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "PyTorch FSDP2 in pure bf16 with 8-bit moments and an 8-bit Kahan remainder (7 bytes/param)",
         {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
     ),
+    "fsdp2_pure_bf16_release": (
+        "PyTorch FSDP2 in pure bf16 with stochastic rounding and gradient release (6 bytes/param)",
+        {"gradient_release": True},
+    ),
+    "fsdp2_pure_bf16_int8_release": (
+        "PyTorch FSDP2 in pure bf16 with 8-bit moments and gradient release (4 bytes/param)",
+        {"moments": "int8", "gradient_release": True},
+    ),
 }
 
 
@@ -75,6 +83,11 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
         backend: optimizer backend, ``"auto"``, ``"triton"``, ``"cpu"`` or ``"torch"`` (default: ``"auto"``).
         moments: ``"bf16"`` or ``"int8"`` (default: ``"bf16"``).
         compensation: ``"bf16"`` or ``"int8"``, the Kahan buffer's format (default: ``"bf16"``).
+        gradient_release: update each parameter as soon as FSDP2 has reduce-scattered its gradient (its
+            post-accumulate-grad hooks) and free the gradient then: no gradient shards are kept (6 bytes/param, 4 with
+            8-bit moments), the same bits as without. Refuses gradient accumulation and gradient clipping, which need
+            every gradient first; an inf/NaN gradient leaves that parameter as it is on every rank (default:
+            ``False``).
         data_parallel_size: ranks per data-parallel (FSDP2) group (default: ``"auto"``: the world size divided by
             ``tensor_parallel_size``).
         tensor_parallel_size: ranks per tensor-parallel group (default: ``1``: FSDP2 alone).
@@ -97,6 +110,7 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
         backend: str = "auto",
         moments: str = "bf16",
         compensation: str = "bf16",
+        gradient_release: bool = False,
         data_parallel_size: Any = "auto",
         tensor_parallel_size: Any = 1,
         save_distributed_checkpoint: bool = True,
@@ -110,6 +124,8 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
         )
         self._options.check(who)
         self.trust_checkpoint = bool(trust_checkpoint)
+        self.gradient_release = bool(gradient_release)
+        self._release_hooks: list[Any] = []
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -181,8 +197,48 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
             ours.init_states([(p, g) for g in ours.param_groups for p in g["params"] if p.requires_grad])
             converted.append(ours)
         self.optimizers = converted
+        if self.gradient_release:
+            self._release_gradients(trainer, who)
         if converted:
             rank_zero_info(f"{self.strategy_name}: model state on rank 0: {format_report(self.memory_report())}")
+
+    def _release_gradients(self, trainer: Any, who: str) -> None:
+        """Update each parameter from FSDP2's post-accumulate-grad hook and free its gradient there."""
+        if trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"`{who}` with `gradient_release=True` updates each parameter during the backward, so it cannot"
+                f" accumulate gradients over {trainer.accumulate_grad_batches} batches"
+                " (`Trainer(accumulate_grad_batches=...)`). Use a larger batch, or leave gradient release off."
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"`{who}` with `gradient_release=True` updates each parameter before the gradient norm over all"
+                f" parameters exists, so it cannot clip (`Trainer(gradient_clip_val={trainer.gradient_clip_val})`)."
+                " Turn clipping off, or leave gradient release off."
+            )
+        if len(self.optimizers) != 1:
+            raise ValueError(f"`{who}` with `gradient_release=True` takes one optimizer, got {len(self.optimizers)}.")
+        optimizer = self.optimizers[0]
+
+        def release(p: torch.Tensor) -> None:
+            optimizer.step_parameter(p)
+            p.grad = None
+
+        for hook in self._release_hooks:
+            hook.remove()
+        self._release_hooks = [
+            p.register_post_accumulate_grad_hook(release)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.requires_grad
+        ]
+
+    @override
+    def teardown(self) -> None:
+        for hook in self._release_hooks:
+            hook.remove()
+        self._release_hooks = []
+        super().teardown()
 
     def _check_parameters(self, who: str) -> None:
         from torch.distributed.tensor import DTensor
@@ -237,7 +293,9 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
         Returns:
             See :func:`lightning_pure_bf16.memory.sharded_model_state_report`.
         """
-        return sharded_model_state_report(self.pure_bf16_optimizer, self.lightning_module)
+        return sharded_model_state_report(
+            self.pure_bf16_optimizer, self.lightning_module, gradients_released=self.gradient_release
+        )
 
 
 __all__ = ["PRESETS", "FSDP2PureBF16Precision", "FSDP2PureBF16Strategy"]

@@ -122,7 +122,7 @@ def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None
 
 
 def sharded_model_state_report(
-    optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None, *, gradients_released: bool = False
 ) -> dict[str, float]:
     """Bytes per parameter of this rank's shards, by category, for an optimizer over DTensor parameters (FSDP2's
     ``fully_shard``, tensor parallelism) or plain ones: the same keys as :func:`zero3_model_state_report`.
@@ -131,7 +131,8 @@ def sharded_model_state_report(
     backward, before ``zero_grad``), else the parameter's element size (FSDP2 reduce-scatters into the parameter's
     dtype unless a ``MixedPrecisionPolicy`` asks otherwise), then every state tensor with one element per parameter
     element (its local shard) and the 8-bit block scales with their moment. Frozen parameters of ``module`` are
-    counted apart (``frozen``) and in ``whole_model``.
+    counted apart (``frozen``) and in ``whole_model``. With ``gradients_released`` (each gradient freed once its
+    parameter is updated) no gradient shard is counted.
     """
     from torch.distributed.tensor import DTensor
 
@@ -148,7 +149,10 @@ def sharded_model_state_report(
             n += shard.numel()
             nbytes["param"] += _nbytes(shard)
             grad = local(p.grad) if p.grad is not None else None
-            nbytes["grad"] += _nbytes(grad) if grad is not None else shard.numel() * shard.element_size()
+            if grad is not None:
+                nbytes["grad"] += _nbytes(grad)
+            elif not gradients_released:
+                nbytes["grad"] += shard.numel() * shard.element_size()
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.ndim > 0:
                     category = _STATE_CATEGORY.get(key, key)

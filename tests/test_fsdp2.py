@@ -22,9 +22,9 @@ FORMATS = {
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
     two = [{"name": name, "save_at": 3, **opts} for name, (opts, _) in FORMATS.items()]
-    two.append({"name": "inf", "inf_at": 2})
+    two += [{"name": "inf", "inf_at": 2}, {"name": "release_inf", "inf_at": 2, "release": True}]
     run_script("fsdp2_adamw.py", out, json.dumps({"world": 2, "runs": two}))
-    one = [{**run, "resume_from": str(out / run["name"])} for run in two[:-1]]
+    one = [{**run, "resume_from": str(out / run["name"])} for run in two[:-2]]
     one += [{"name": "plain", "plain": True}, {"name": "plain_seed2", "plain": True, "seed": 5678}]
     one += [{"name": f"sharded_{name}", **opts} for name, (opts, _) in FORMATS.items()]
     one += [{"name": f"plain_{name}", "plain": True, **opts} for name, (opts, _) in FORMATS.items()]
@@ -102,32 +102,39 @@ def test_fully_shard_on_one_rank_trains_bit_for_bit_as_plain_tensors(runs, fmt):
         assert torch.equal(value, sharded["final"]["params"][key]), key
 
 
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank(runs):
-    ranks = [runs("inf", r) for r in range(2)]
-    assert [r["skipped_steps"] for r in ranks] == [1, 1]
+@pytest.mark.parametrize("release", [False, True])
+def test_an_inf_on_one_rank_skips_the_update_on_every_rank(runs, release):
+    """With every gradient at the step, the step is skipped everywhere; with each gradient applied as FSDP2
+    reduce-scatters it (``step_parameter``), each parameter is left as it is everywhere."""
+    ranks = [runs("release_inf" if release else "inf", r) for r in range(2)]
     assert [r["inf_step_changed"] for r in ranks] == [[], []]
+    if release:
+        assert [r["skipped_parameter_updates"] for r in ranks] == [6, 6]  # every parameter, once
+    else:
+        assert [r["skipped_steps"] for r in ranks] == [1, 1]
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
 # ------------------------------------------------------------------------------------------- Trainer(strategy=...)
-LIGHTNING = ("fsdp2_pure_bf16", "fsdp2_pure_bf16_int8_kahan")
+LIGHTNING = ("fsdp2_pure_bf16", "fsdp2_pure_bf16_int8_kahan", "fsdp2_pure_bf16_release")
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_lightning")
-    run_script("fsdp2_lightning.py", out, json.dumps({"strategies": list(LIGHTNING), "unsharded": True}))
+    run_script("fsdp2_lightning.py", out, json.dumps({"strategies": list(LIGHTNING), "refusals": True}))
     return out
 
 
-@pytest.mark.parametrize(("strategy", "expected"), [(LIGHTNING[0], 8.0), (LIGHTNING[1], 7.03)])
+@pytest.mark.parametrize(("strategy", "expected"), [(LIGHTNING[0], 8.0), (LIGHTNING[1], 7.03), (LIGHTNING[2], 6.0)])
 def test_the_trainer_strategy_converts_the_optimizer_and_resumes_mid_epoch_bit_for_bit(fits, strategy, expected):
     for rank in range(2):
         result = torch.load(fits / strategy / f"rank{rank}.pt", weights_only=False)
         whole, resumed = result["whole"], result["resumed"]
         assert whole["optimizer"] == "lightning_pure_bf16.optim.adamw.AdamW" and whole["scheduler_bound"]
         # Measured after each backward, from the live shards of parameters, gradients and states.
-        assert all(r["total"] == pytest.approx(expected, abs=0.01) and r["grad"] == 2.0 for r in whole["reports"])
+        grad = 0.0 if strategy.endswith("_release") else 2.0  # released: no gradient shard left at the step
+        assert all(r["total"] == pytest.approx(expected, abs=0.01) and r["grad"] == grad for r in whole["reports"])
         # The checkpoint at step 2 (a DCP folder) resumes the shuffled epoch's third batch and every bit after it.
         assert resumed["batches"] == whole["batches"][2:] and resumed["losses"] == whole["losses"][2:]
         assert resumed["lrs"] == whole["lrs"][2:]
@@ -137,11 +144,26 @@ def test_the_trainer_strategy_converts_the_optimizer_and_resumes_mid_epoch_bit_f
                 assert torch.equal(value, resumed[part][key]), (part, key)
 
 
-def test_the_trainer_strategy_refuses_a_module_that_does_not_shard_itself(fits):
+def test_gradient_release_under_fsdp2_gives_the_bits_of_the_step(fits):
+    """Each parameter updated from FSDP2's post-accumulate-grad hook, its gradient freed there: the same run."""
     for rank in range(2):
-        error = torch.load(fits / f"unsharded_rank{rank}.pt", weights_only=False)["error"]
-        assert error is not None and "not sharded (for example 'model.net.0.weight')" in error
-        assert "fully_shard" in error and "configure_model" in error
+        released = torch.load(fits / LIGHTNING[2] / f"rank{rank}.pt", weights_only=False)["whole"]
+        stepped = torch.load(fits / LIGHTNING[0] / f"rank{rank}.pt", weights_only=False)["whole"]
+        assert released["losses"] == stepped["losses"]
+        for part in ("params", "states"):
+            for key, value in stepped[part].items():
+                assert torch.equal(value, released[part][key]), (part, key)
+
+
+def test_the_trainer_strategy_refuses_what_it_cannot_do(fits):
+    for rank in range(2):
+        errors = torch.load(fits / f"refusals_rank{rank}.pt", weights_only=False)
+        assert (
+            errors["unsharded"] is not None and "not sharded (for example 'model.net.0.weight')" in errors["unsharded"]
+        )
+        assert "fully_shard" in errors["unsharded"] and "configure_model" in errors["unsharded"]
+        assert errors["release_clip"] is not None
+        assert "gradient_release=True" in errors["release_clip"] and "gradient_clip_val=1.0" in errors["release_clip"]
 
 
 def test_the_trainer_strategy_refuses_mixed_precision():

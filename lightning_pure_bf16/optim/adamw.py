@@ -71,6 +71,7 @@ _COPIED_ATTRIBUTES = (
     "backend",
     "chunk_size",
     "skipped_steps",
+    "skipped_parameter_updates",
     "check_nonfinite",
     "state_storage",
     "state_chunk_size",
@@ -155,6 +156,8 @@ class AdamW(Optimizer):
 
     Attributes:
         skipped_steps: steps skipped because a gradient was inf/NaN (saved in ``state_dict()``).
+        skipped_parameter_updates: updates of one parameter by :meth:`step_parameter` skipped because its gradient was
+            inf/NaN.
         check_nonfinite: whether :meth:`step` checks gradients itself (default: ``True``). A distributed caller that
             makes the decision for all ranks sets it to ``False`` and uses :meth:`nonfinite_grads` and
             :meth:`record_skipped_step`.
@@ -243,6 +246,7 @@ class AdamW(Optimizer):
         self.backend = backend
         self.chunk_size = chunk_size
         self.skipped_steps = 0
+        self.skipped_parameter_updates = 0
         self.check_nonfinite = True
         self.nonfinite_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._next_stream = 0
@@ -361,6 +365,44 @@ class AdamW(Optimizer):
     def record_skipped_step(self) -> None:
         """Count a step that a caller skipped because of non-finite gradients (nothing else changes)."""
         self.skipped_steps += 1
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step_parameter(self, p: torch.Tensor) -> bool:
+        """Apply the next step to the one parameter ``p`` now, from its gradient (gradient release: a hook called as
+        soon as the gradient exists, such as the post-accumulate-grad hook FSDP2 calls after its reduce-scatter).
+
+        The update is the one :meth:`step` would apply to ``p``, bit for bit (its random bits belong to its elements).
+        An inf/NaN gradient leaves ``p`` and its states as they are (for a DTensor, on every rank: the decision is
+        all-reduced, so every rank must call this for the same parameters in the same order, as FSDP2's hooks are);
+        :attr:`skipped_parameter_updates` counts it. The caller frees the gradient.
+
+        Returns:
+            Whether ``p`` was updated.
+        """
+        if self._closed:
+            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            raise ValueError(f"{type(self).__name__}.step_parameter: the tensor is not a parameter of this optimizer.")
+        if p.grad is None:
+            return False
+        backend = self._pick_backend(*self._local_pair(p))
+        self._refuse_float32_masters([(p, group, backend)])
+        if self.check_nonfinite:
+            flag = torch.as_tensor(self._nonfinite(sharded.local(p.grad)), dtype=torch.float32).reshape(())
+            if self.nonfinite_reduce is not None:
+                flag = self.nonfinite_reduce(flag)
+            elif sharded.is_dtensor(p) and torch.distributed.is_initialized():
+                flag = sharded.agree_any(flag, [p])
+            if bool(flag.item()):
+                self.skipped_parameter_updates += 1
+                return False
+        if self._store is not None:
+            self.init_states([(p, group)])
+            self._store.verify(self.state[p]["stream"])
+        self._update(p, group, backend)
+        return True
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -764,6 +806,7 @@ class AdamW(Optimizer):
             return
         state = dict(state)
         root = state.pop("_state_root", None)
+        state.setdefault("skipped_parameter_updates", 0)
         super().__setstate__(state)
         self._given_params = {id(p) for group in self.param_groups for p in group["params"]}  # the copy's own
         self.nonfinite_reduce = None

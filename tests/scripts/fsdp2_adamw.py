@@ -45,6 +45,14 @@ def build(opts: dict, world: int) -> tuple[torch.nn.Module, AdamW]:
         fully_shard(model, mesh=mesh)
     options = {k: opts[k] for k in ("rounding", "moments", "compensation") if k in opts}
     optimizer = AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.95), seed=opts.get("seed", 1234), **options)
+    if opts.get("release"):  # each parameter updated from FSDP2's post-accumulate-grad hook, its gradient freed
+
+        def release(p: torch.Tensor) -> None:
+            optimizer.step_parameter(p)
+            p.grad = None
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(release)
     return model, optimizer
 
 
@@ -55,16 +63,23 @@ def train(model: torch.nn.Module, optimizer: AdamW, rank: int, world: int, steps
     for step in steps:
         lo = step * BATCH + rank * per_rank
         xb, yb = x[lo : lo + per_rank].to(torch.bfloat16), y[lo : lo + per_rank]
+        watched = opts.get("inf_at") == step
+        if watched and opts.get("release"):
+            # Released gradients are applied during the backward: one rank's input overflows instead, so that every
+            # gradient of that rank is inf/NaN, and every rank must leave every parameter as it is.
+            before = snapshot(model, optimizer)
+            if rank == world - 1:
+                xb = xb * float("inf")
         loss = (model(xb).float() - yb).pow(2).mean()
         loss.backward()
-        watched = opts.get("inf_at") == step
-        if watched:
+        if watched and not opts.get("release"):
             # One rank's gradient overflows: every rank must skip, and the step must change nothing anywhere.
             if rank == world - 1:
                 model.net[0].weight.grad.to_local().view(-1)[0] = float("inf")
             before = snapshot(model, optimizer)
         optimizer.step()
         if watched:
+            opts["skipped_parameter_updates"] = optimizer.skipped_parameter_updates
             after = snapshot(model, optimizer)
             opts["inf_step_changed"] = [
                 key
@@ -149,6 +164,7 @@ def one_run(rank: int, world: int, out: Path, opts: dict) -> None:
         result["final"] = snapshot(model, optimizer)
         result["skipped_steps"] = optimizer.skipped_steps
         result["inf_step_changed"] = opts.get("inf_step_changed")
+        result["skipped_parameter_updates"] = opts.get("skipped_parameter_updates")
     torch.save(result, out / f"rank{rank}.pt")
 
 

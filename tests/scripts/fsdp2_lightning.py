@@ -69,7 +69,7 @@ class Record(Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = True) -> dict:
+def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = True, clip: float | None = None) -> dict:
     seed_everything(0)
     record = Record()
     # Every 2 steps (mid-epoch: 4 batches per epoch and rank) a checkpoint, a DCP folder.
@@ -83,6 +83,7 @@ def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = Tr
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[record, every],
+        gradient_clip_val=clip,
     )
     module = Sharded(shard)
     trainer.fit(module, DataLoader(data(64), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
@@ -109,13 +110,18 @@ def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = Tr
 
 
 def main(out: Path, opts: dict) -> None:
-    if opts.get("unsharded"):
-        try:
-            fit(out / "unsharded", "fsdp2_pure_bf16", shard=False)
-            error = None
-        except RuntimeError as err:
-            error = str(err)
-        torch.save({"error": error}, out / f"unsharded_rank{int(os.environ.get('LOCAL_RANK', 0))}.pt")
+    if opts.get("refusals"):
+        errors = {}
+        for name, kwargs in {
+            "unsharded": {"strategy": "fsdp2_pure_bf16", "shard": False},
+            "release_clip": {"strategy": "fsdp2_pure_bf16_release", "clip": 1.0},
+        }.items():
+            try:
+                fit(out / name, **kwargs)
+                errors[name] = None
+            except (RuntimeError, ValueError) as err:
+                errors[name] = str(err)
+        torch.save(errors, out / f"refusals_rank{int(os.environ.get('LOCAL_RANK', 0))}.pt")
     for strategy in opts.get("strategies", ["fsdp2_pure_bf16"]):
         where = out / strategy
         where.mkdir(parents=True, exist_ok=True)
