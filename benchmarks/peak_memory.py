@@ -56,6 +56,8 @@ ARMS = {
     # The same module and sharding under Trainer(strategy="fsdp2_pure_bf16..."): this package's AdamW over FSDP2.
     "fsdp2_pure_bf16": None,
     "fsdp2_pure_bf16_int8": None,
+    "fsdp2_pure_bf16_release": None,
+    "fsdp2_pure_bf16_int8_release": None,
 }
 LAYERS, BATCH, STEPS = 8, 4, 4
 
