@@ -301,9 +301,15 @@ class PureBF16Settings:
         elif self.gather_cache == "layer":
             rank_zero_info(
                 f"{self.strategy_name}: gather_cache='layer': each layer's gathered parameters are released after its"
-                " forward and gathered again for its backward (ZeRO-3 stage3_max_reuse_distance=0), as FSDP2 does:"
-                " about 2 bytes per parameter less at the peak of the step than keeping them, for one more all-gather"
-                " of the parameters per step (ZeRO-3's traffic 1.5x). `gather_cache='keep'` keeps them."
+                " forward and gathered again for its backward, as FSDP2 does (ZeRO-3 stage3_max_reuse_distance=0"
+                + (
+                    ", and no prefetch of the next layers, stage3_prefetch_bucket_size=0, which on the CPU held them"
+                    " sooner without overlapping anything"
+                    if on_cpu
+                    else ""
+                )
+                + "): about 2 bytes per parameter less at the peak of the step than keeping them, for one more"
+                " all-gather of the parameters per step (ZeRO-3's traffic 1.5x). `gather_cache='keep'` keeps them."
             )
         else:
             rank_zero_info(
