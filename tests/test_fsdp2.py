@@ -23,8 +23,9 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
     two = [{"name": name, "save_at": 3, **opts} for name, (opts, _) in FORMATS.items()]
     two += [{"name": "inf", "inf_at": 2}, {"name": "release_inf", "inf_at": 2, "release": True}]
+    two += [{"name": "hsdp", "hsdp": True, "moments": "int8"}]
     run_script("fsdp2_adamw.py", out, json.dumps({"world": 2, "runs": two}))
-    one = [{**run, "resume_from": str(out / run["name"])} for run in two[:-2]]
+    one = [{**run, "resume_from": str(out / run["name"])} for run in two[:4]]
     one += [{"name": "plain", "plain": True}, {"name": "plain_seed2", "plain": True, "seed": 5678}]
     one += [{"name": f"sharded_{name}", **opts} for name, (opts, _) in FORMATS.items()]
     one += [{"name": f"plain_{name}", "plain": True, **opts} for name, (opts, _) in FORMATS.items()]
@@ -214,3 +215,13 @@ def test_fabric_with_fsdp2_trains_this_optimizer_in_bf16_and_resumes_bit_for_bit
         assert result["resumed"] == result["losses"][2:]
         for key, value in result["params"].items():
             assert torch.equal(value, result["resumed_params"][key]), key
+
+
+def test_hsdp_replicas_draw_the_same_bits_and_stay_equal(runs):
+    """Two ranks as two replicas of one shard (a 2 x 1 mesh): placements (Replicate, Shard(0)); every update must be
+    the same on both, or the replicas drift apart."""
+    ranks = [runs("hsdp", r) for r in range(2)]
+    assert ranks[0]["placements"] == "(Replicate(), Shard(dim=0))"
+    assert ranks[0]["losses"][-1] < 0.2 * ranks[0]["losses"][0]
+    for name, value in ranks[0]["local"].items():
+        assert torch.equal(value, ranks[1]["local"][name]), name

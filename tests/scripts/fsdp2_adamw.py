@@ -37,8 +37,11 @@ BATCH = 32
 def build(opts: dict, world: int) -> tuple[torch.nn.Module, AdamW]:
     torch.manual_seed(opts.get("model_seed", 0))
     model = MLP(opts.get("hidden", 64)).to(torch.bfloat16)
-    if not opts.get("plain"):
+    if opts.get("hsdp"):  # HSDP: every rank a replica of one shard group of one rank (placements Replicate, Shard(0))
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    elif not opts.get("plain"):
         mesh = init_device_mesh("cpu", (world,))
+    if not opts.get("plain"):
         for layer in model.net:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -94,6 +97,10 @@ def train(model: torch.nn.Module, optimizer: AdamW, rank: int, world: int, steps
             mean /= world
         losses.append(float(mean))
     return losses
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -162,6 +169,8 @@ def one_run(rank: int, world: int, out: Path, opts: dict) -> None:
             result["resumed_losses"] = train(model2, optimizer2, rank, world, range(save_at, STEPS), opts)
             result["resumed"] = snapshot(model2, optimizer2)
         result["final"] = snapshot(model, optimizer)
+        result["local"] = {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
+        result["placements"] = str(getattr(next(model.parameters()), "placements", None))
         result["skipped_steps"] = optimizer.skipped_steps
         result["inf_step_changed"] = opts.get("inf_step_changed")
         result["skipped_parameter_updates"] = opts.get("skipped_parameter_updates")
