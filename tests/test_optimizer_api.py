@@ -514,3 +514,40 @@ def test_cuda_tensors_given_the_cpu_loop_are_refused_before_anything_changes():
     with pytest.raises(RuntimeError, match="`backend='cpu'` needs contiguous bf16 CPU tensors.*on cuda"):
         opt.step()
     assert len(opt.state[p]) == 0 and not p.any()
+
+
+def test_a_dtensor_shard_draws_by_its_index_in_the_whole_tensor_or_from_a_seed_of_its_own(tmp_path):
+    """``Shard(0)`` and ``Replicate`` shards are contiguous runs of the tensor: the update equals the plain tensor's bit
+    for bit. A ``Shard(1)`` shard is not: it draws from a seed of its own (``rank_seed(seed, shard)``)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    from lightning_pure_bf16.optim import sharded
+    from lightning_pure_bf16.optim.adamw import rank_seed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        w, g = torch.randn(16, 8).to(torch.bfloat16), torch.randn(16, 8).to(torch.bfloat16) * 1e-3
+
+        def trained(placement, seed=7):
+            if placement is None:
+                p = nn.Parameter(w.clone())
+                p.grad = g.clone()
+            else:
+                p = nn.Parameter(distribute_tensor(w.clone(), mesh, [placement]))
+                p.grad = distribute_tensor(g.clone(), mesh, [placement])
+            opt = AdamW([p], lr=1e-3, seed=seed)
+            for _ in range(3):
+                opt.step()
+            return sharded.local(p.detach()).clone(), p
+
+        plain, _ = trained(None)
+        for placement in (Shard(0), Replicate()):
+            assert torch.equal(trained(placement)[0], plain)
+        by_column, p = trained(Shard(1))
+        assert sharded.layout(p).shard == 0 and not torch.equal(by_column, plain)
+        assert torch.equal(by_column, trained(None, seed=rank_seed(7, 0))[0])
+    finally:
+        dist.destroy_process_group()
