@@ -31,6 +31,7 @@ from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.memory import format_report, sharded_model_state_report
 from lightning_pure_bf16.optim.adamw import AdamW
 from lightning_pure_bf16.optim.options import OptimizerOptions
+from lightning_pure_bf16.optim.sharded import is_dtensor
 from lightning_pure_bf16.safe_load import check_dcp_checkpoint
 
 # The registered names: (description, the strategy arguments they set).
@@ -241,10 +242,8 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
         super().teardown()
 
     def _check_parameters(self, who: str) -> None:
-        from torch.distributed.tensor import DTensor
-
         module = self.lightning_module
-        plain = [n for n, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        plain = [n for n, p in module.named_parameters() if p.requires_grad and not is_dtensor(p)]
         if plain:
             raise RuntimeError(
                 f"`{who}`: {len(plain)} trainable parameter(s) are not sharded (for example {plain[0]!r}): apply"

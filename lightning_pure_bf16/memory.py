@@ -13,6 +13,7 @@ from lightning_pure_bf16._internals import (
     zero3_master_partitions,
     zero3_param_partitions,
 )
+from lightning_pure_bf16.optim.sharded import local
 
 CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", "other_state")
 
@@ -108,11 +109,17 @@ def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None
                 else:
                     category = _STATE_CATEGORY.get(key, key)
                     nbytes[category if category in nbytes else "other_state"] += _nbytes(value)
+    frozen = [p.ds_tensor for p in (module.parameters() if module is not None else ()) if not p.requires_grad]
+    return _per_parameter(nbytes, n, in_files, frozen)
+
+
+def _per_parameter(nbytes: dict[str, int], n: int, in_files: int, frozen: list[torch.Tensor]) -> dict[str, float]:
+    """The report of :func:`zero3_model_state_report` from bytes by category over ``n`` trainable elements, bytes in
+    state files, and the frozen parameters' tensors on this rank."""
     report = {k: v / max(n, 1) for k, v in nbytes.items()}
     report["total"] = sum(report.values())
     report["state_files"] = in_files / max(n, 1)
     report["params_on_rank"] = float(n)
-    frozen = [p.ds_tensor for p in (module.parameters() if module is not None else ()) if not p.requires_grad]
     frozen_n = sum(t.numel() for t in frozen)
     frozen_bytes = sum(_nbytes(t) for t in frozen)
     report["frozen"] = frozen_bytes / frozen_n if frozen_n else 0.0
@@ -134,11 +141,6 @@ def sharded_model_state_report(
     counted apart (``frozen``) and in ``whole_model``. With ``gradients_released`` (each gradient freed once its
     parameter is updated) no gradient shard is counted.
     """
-    from torch.distributed.tensor import DTensor
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     nbytes = dict.fromkeys(CATEGORIES, 0)
     n = 0
     trainable = set()
@@ -157,17 +159,8 @@ def sharded_model_state_report(
                 if isinstance(value, torch.Tensor) and value.ndim > 0:
                     category = _STATE_CATEGORY.get(key, key)
                     nbytes[category if category in nbytes else "other_state"] += _nbytes(local(value))
-    report = {k: v / max(n, 1) for k, v in nbytes.items()}
-    report["total"] = sum(report.values())
-    report["state_files"] = 0.0
-    report["params_on_rank"] = float(n)
     frozen = [local(p) for p in (module.parameters() if module is not None else ()) if id(p) not in trainable]
-    frozen_n = sum(t.numel() for t in frozen)
-    frozen_bytes = sum(_nbytes(t) for t in frozen)
-    report["frozen"] = frozen_bytes / frozen_n if frozen_n else 0.0
-    report["frozen_params_on_rank"] = float(frozen_n)
-    report["whole_model"] = (report["total"] * n + frozen_bytes) / max(n + frozen_n, 1)
-    return report
+    return _per_parameter(nbytes, n, 0, frozen)
 
 
 def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:

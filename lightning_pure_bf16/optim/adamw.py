@@ -382,7 +382,7 @@ class AdamW(Optimizer):
         """
         if self._closed:
             raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
-        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        group = self._group_of(p)
         if group is None:
             raise ValueError(f"{type(self).__name__}.step_parameter: the tensor is not a parameter of this optimizer.")
         if p.grad is None:
@@ -447,6 +447,16 @@ class AdamW(Optimizer):
         for p, group, backend in plan:
             self._update(p, group, backend)
         return loss
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any] | None:
+        """The group holding ``p``, from an index rebuilt when the groups change (one lookup per hook call, not a scan
+        of every parameter): ``add_param_group`` appends a group, ``load_state_dict`` replaces the list."""
+        groups = self.param_groups
+        indexed = getattr(self, "_indexed_groups", None)
+        if indexed is None or indexed[0] is not groups or indexed[1] != len(groups):
+            index = {id(q): g for g in groups for q in g["params"]}
+            self._indexed_groups = indexed = (groups, len(groups), index)
+        return indexed[2].get(id(p))
 
     def _sharded_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if sharded.is_dtensor(p)]
