@@ -106,6 +106,22 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "the call inside the reduce stream that gradient release hooks",
     ),
     PrivateName(_STAGE3, "_get_param_partition_rank", "method", "whether a partition holds elements", ("self",)),
+    PrivateName(
+        _STAGE3,
+        "reduce_independent_p_g_buckets_and_remove_grads",
+        "method",
+        "wrapped per engine: a full bucket is reduce-scattered at once (reduce_full_buckets_at_once)",
+        ("self", "param"),
+    ),
+    PrivateName(_STAGE3, "ipg_buckets", "attribute", "the gradient buckets, by communication dtype"),
+    PrivateName(_STAGE3, "reduce_bucket_size", "attribute", "the bucket size a full bucket is measured against"),
+    PrivateName(_STAGE3, "get_param_comm_dtype", "method", "the bucket of a parameter", ("self", "param")),
+    PrivateName(
+        _STAGE3,
+        "def __reduce_and_partition_ipg_grads(self, communication_data_type",
+        "marker",
+        "reduce-scatters one bucket and partitions its gradients (called for a full bucket)",
+    ),
     PrivateName(_STAGE3, "micro_step_id", "attribute", "gradient release: a second backward before the step"),
     PrivateName(
         _STAGE3, "__param_id_to_grad_partition", "attribute", "gradient release points them at an empty tensor"
@@ -137,6 +153,19 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "deepspeed.runtime.engine:DeepSpeedEngine", "global_samples", "attribute", "restored by a repartitioning load"
     ),
     PrivateName("deepspeed.accelerator", "set_accelerator", "function", "CPU fits on a GPU host", ("accel_obj",)),
+    PrivateName(
+        "deepspeed.comm.torch:TorchBackend",
+        "all_gather_function",
+        "attribute",
+        "ZeRO-3's parameter all-gather, taken in pieces under gloo (bounded_gloo_collectives)",
+    ),
+    PrivateName(
+        "deepspeed.comm.torch:TorchBackend",
+        "reduce_scatter_function",
+        "attribute",
+        "ZeRO-3's gradient reduce-scatter, taken in pieces under gloo (bounded_gloo_collectives)",
+    ),
+    PrivateName("deepspeed.comm.comm", "cdb = None", "marker", "the communication backend DeepSpeed's collectives use"),
     # Lightning: methods of DeepSpeedStrategy the Trainer strategy overrides or calls
     PrivateName(_LIGHTNING_DS, "_load_config", "method", "reads the user's DeepSpeed config", ("self", "config")),
     PrivateName(_LIGHTNING_DS, "_init_deepspeed_distributed", "method", "the CPU (gloo) process group", ("self",)),
@@ -468,6 +497,135 @@ def view_sub_group_gradients(zero_optimizer: Any) -> None:
         zero_optimizer.averaged_gradients[sub_group_id] = None
 
     zero_optimizer._prepare_fp32_grad_for_sub_group = prepare
+
+
+def reduce_full_buckets_at_once(zero_optimizer: Any) -> None:
+    """Reduce-scatter a gradient bucket as soon as it is full, not when the next gradient arrives.
+
+    ZeRO-3 adds each parameter's gradient to a bucket and reduce-scatters the bucket only when the next gradient
+    does not fit. A layer larger than the bucket (every large linear layer) is a bucket alone, so its full-size
+    gradient waits, unreduced, until the next layer's backward has gathered that layer and computed its gradient:
+    two layer-sized gradients and a gathered layer at the peak of the backward, where one gradient suffices (FSDP2
+    reduce-scatters each layer's gradient after its backward). Here the bucket is reduce-scattered right after the
+    gradient that fills it; the same gradients are reduced, each bucket at most ``reduce_bucket_size`` elements, and
+    the last partial bucket still waits for ZeRO-3's end of the backward. Wrapped on this optimizer instance only.
+    """
+    original = _read(zero_optimizer, "reduce_independent_p_g_buckets_and_remove_grads", "the gradient hook")
+    reduce = _read(
+        zero_optimizer, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads", "the bucket reduce-scatter"
+    )
+    buckets = _read(zero_optimizer, "ipg_buckets", "the gradient buckets")
+    size = _read(zero_optimizer, "reduce_bucket_size", "the bucket size")
+    comm_dtype = _read(zero_optimizer, "get_param_comm_dtype", "the bucket of a parameter")
+
+    def add_then_reduce_if_full(param: Any) -> None:
+        original(param)
+        dtype = comm_dtype(param)
+        if buckets[dtype].elements >= size:
+            reduce(dtype)
+
+    zero_optimizer.reduce_independent_p_g_buckets_and_remove_grads = add_then_reduce_if_full
+
+
+# Elements per piece of a collective under gloo: its temporaries are at most a few times 8 MiB (bf16), whatever the
+# size of the layer.
+COLLECTIVE_PIECE = 1 << 22
+
+
+class _Done:
+    """The handle of a collective that has already finished (what an ``async_op=True`` caller waits on)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _in_pieces(group: Any, *tensors: torch.Tensor) -> bool:
+    import torch.distributed as dist
+
+    return (
+        tensors[0].numel() > COLLECTIVE_PIECE
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and dist.get_backend(group) == "gloo"
+    )
+
+
+def _all_gather_in_pieces(gather: Callable[..., Any]) -> Callable[..., Any]:
+    import torch.distributed as dist
+
+    @functools.wraps(gather)
+    def all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+        if not _in_pieces(group, output_tensor, input_tensor):
+            return gather(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+        world, size = dist.get_world_size(group), input_tensor.numel()
+        if output_tensor.numel() != world * size:
+            return gather(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+        piece = max(1, COLLECTIVE_PIECE // world)
+        staging = torch.empty(world * min(piece, size), dtype=output_tensor.dtype)
+        flat_in, out = input_tensor.reshape(-1), output_tensor.view(world, size)
+        for start in range(0, size, piece):
+            n = min(piece, size - start)
+            gathered = staging[: world * n]
+            gather(output_tensor=gathered, input_tensor=flat_in[start : start + n], group=group)
+            out[:, start : start + n].copy_(gathered.view(world, n))
+        return _Done() if async_op else None
+
+    all_gather._pure_bf16_pieces = True  # type: ignore[attr-defined]
+    return all_gather
+
+
+def _reduce_scatter_in_pieces(scatter: Callable[..., Any]) -> Callable[..., Any]:
+    import torch.distributed as dist
+
+    @functools.wraps(scatter)
+    def reduce_scatter(
+        output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False
+    ):
+        op = dist.ReduceOp.SUM if op is None else op
+        if not _in_pieces(group, input_tensor, output_tensor):
+            return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        world, size = dist.get_world_size(group), output_tensor.numel()
+        if input_tensor.numel() != world * size:
+            return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        piece = max(1, COLLECTIVE_PIECE // world)
+        staging = torch.empty(world * min(piece, size), dtype=input_tensor.dtype)
+        rows, flat_out = input_tensor.view(world, size), output_tensor.reshape(-1)
+        for start in range(0, size, piece):
+            n = min(piece, size - start)
+            chunk = staging[: world * n]
+            chunk.view(world, n).copy_(rows[:, start : start + n])
+            scatter(flat_out[start : start + n], chunk, op=op, group=group)
+        return _Done() if async_op else None
+
+    reduce_scatter._pure_bf16_pieces = True  # type: ignore[attr-defined]
+    return reduce_scatter
+
+
+def bounded_gloo_collectives() -> None:
+    """Let DeepSpeed's all-gather and reduce-scatter run in pieces of :data:`COLLECTIVE_PIECE` elements under gloo.
+
+    gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` stage the whole tensor in temporaries of their
+    own (measured: one output's size for the all-gather, one and a half inputs' for the reduce-scatter), so on the
+    CPU every layer ZeRO-3 gathers, and every layer gradient it reduce-scatters, costs one to two more layer-sized
+    buffers at the peak of the backward. Piece by piece (each piece staged in one bounded buffer), the result is the
+    same elements, reduced in the same order of ranks, and the temporaries no longer grow with the layer. Other
+    backends (NCCL), devices and small tensors take DeepSpeed's own call. A finished handle is returned to an
+    ``async_op`` caller: on the CPU, where this strategy turns the prefetch off, ZeRO-3 waits on each gather at once.
+    Installed on DeepSpeed's communication backend of this process, once.
+    """
+    from deepspeed.comm import comm
+
+    backend = comm.cdb
+    if backend is None:
+        return
+    gather = _read(backend, "all_gather_function", "the all-gather of ZeRO-3's parameters")
+    scatter = _read(backend, "reduce_scatter_function", "the reduce-scatter of ZeRO-3's gradients")
+    if gather is not None and not getattr(gather, "_pure_bf16_pieces", False):
+        backend.all_gather_function = _all_gather_in_pieces(gather)
+    if scatter is not None and not getattr(scatter, "_pure_bf16_pieces", False):
+        backend.reduce_scatter_function = _reduce_scatter_in_pieces(scatter)
 
 
 # Elements per piece of the gradient norm: its float64 temporary is at most 32 MiB, whatever the model's size.

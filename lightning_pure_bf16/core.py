@@ -364,6 +364,8 @@ def initialize_engine(
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+    # Before the first gather (deepspeed.initialize partitions but gathers nothing).
+    _internals.bounded_gloo_collectives()
     return engine, ds_optimizer, ds_scheduler
 
 
@@ -401,6 +403,7 @@ def after_engine_setup(
         A meter of the peak memory from now on (see :func:`peak_memory`).
     """
     init_zero3_optimizer_state(engine.optimizer)
+    _internals.reduce_full_buckets_at_once(engine.optimizer)
     if gradient_release:
         # ZeRO-3's step then updates nothing: the step's gradient views and norm are not installed (they would keep
         # a reference to the gradient partition that release frees).

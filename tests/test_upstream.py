@@ -252,3 +252,74 @@ def test_every_class_a_dcp_metadata_file_may_name_exists(name):
     # Anything else is refused, torch's callables included.
     assert _internals.dcp_metadata_global("torch", "load") is None
     assert _internals.dcp_metadata_global("os", "system") is None
+
+
+def _collectives_in_pieces(rank, store, out):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    _internals.COLLECTIVE_PIECE = 10  # elements; the tensors below span several pieces and end in a partial one
+    sizes = []
+
+    def spy(fn):
+        def call(*args, **kwargs):
+            sizes.append(max(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)))
+            return fn(*args, **kwargs)
+
+        return call
+
+    gather = _internals._all_gather_in_pieces(spy(dist.all_gather_into_tensor))
+    scatter = _internals._reduce_scatter_in_pieces(spy(dist.reduce_scatter_tensor))
+    g = torch.Generator().manual_seed(rank)
+    part, full = torch.randn(37, generator=g).bfloat16(), torch.randn(74, generator=g).bfloat16()
+    expected_gather, expected_scatter = torch.empty(74, dtype=torch.bfloat16), torch.empty(37, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(expected_gather, part)
+    dist.reduce_scatter_tensor(expected_scatter, full.clone())
+    gathered, scattered = torch.empty(74, dtype=torch.bfloat16), torch.empty(37, dtype=torch.bfloat16)
+    gather(output_tensor=gathered, input_tensor=part, group=None, async_op=True).wait()
+    scatter(scattered, full.clone(), op=dist.ReduceOp.SUM, group=None, async_op=False)
+    in_pieces = list(sizes)
+    small = torch.empty(8, dtype=torch.bfloat16)
+    gather(output_tensor=small, input_tensor=part[:4], group=None)  # at most one piece: DeepSpeed's own call, whole
+    torch.save(
+        {
+            "gather_equal": torch.equal(gathered, expected_gather),
+            "scatter_equal": torch.equal(scattered, expected_scatter),
+            "in_pieces": in_pieces,
+            "small": sizes[len(in_pieces) :],
+        },
+        out / f"rank{rank}.pt",
+    )
+    dist.destroy_process_group()
+
+
+def test_gloo_collectives_in_pieces_give_the_whole_result(tmp_path):
+    """gloo stages a whole all-gather/reduce-scatter in temporaries as large as the layer; in pieces, every call to it
+    holds at most one piece per rank, and the result is the same bit for bit (ranks summed in the same order)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_collectives_in_pieces, args=(tmp_path / "store", tmp_path), nprocs=2, start_method="fork")
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["gather_equal"] and result["scatter_equal"]
+        # 37 elements per rank in pieces of 5 (10 over 2 ranks): 8 calls each, none larger than 2 ranks x 5.
+        assert result["in_pieces"] == [10] * 7 + [4] + [10] * 7 + [4]
+        assert result["small"] == [8]
+
+
+def test_gloo_collectives_installed_once_on_deepspeeds_backend(monkeypatch):
+    import deepspeed.comm.comm as ds_comm
+
+    class Backend:
+        all_gather_function = staticmethod(lambda **kwargs: None)
+        reduce_scatter_function = staticmethod(lambda *args, **kwargs: None)
+
+    backend = Backend()
+    monkeypatch.setattr(ds_comm, "cdb", backend)
+    _internals.bounded_gloo_collectives()
+    first = (backend.all_gather_function, backend.reduce_scatter_function)
+    _internals.bounded_gloo_collectives()
+    assert first == (backend.all_gather_function, backend.reduce_scatter_function)
+    assert all(getattr(f, "_pure_bf16_pieces", False) for f in first)
