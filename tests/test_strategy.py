@@ -476,11 +476,26 @@ def test_a_step_holds_one_layer_gathered_and_the_report_counts_frozen_layers(tmp
     # forward and backward: with DeepSpeed's own settings (gather_cache="keep") ZeRO-3 prefetches and holds all four
     # at once (589,824 elements); the default holds the layer it is working on. The first three of the six linear
     # layers are frozen (half the parameters, the seed user's recipe): the report counts them at 2 B/param.
-    proc = fit(tmp_path, devices=2, steps=3, hidden=384, depth=4, freeze_layers=3, record_gathered=True)
+    # Bias-free layers and gradient buckets smaller than a layer: each layer's gradient is reduce-scattered before
+    # the next layer's backward starts, so what waits unreduced is at most the bucket (ZeRO-3 alone held a layer's
+    # gradient until the next layer's had been computed).
+    bucket = 100_000
+    proc = fit(
+        tmp_path,
+        devices=2,
+        steps=3,
+        hidden=384,
+        depth=4,
+        bias=False,
+        freeze_layers=3,
+        record_gathered=True,
+        strategy={"reduce_bucket_size": bucket},
+    )
     for rank in load_ranks(tmp_path):
         one_layer = rank["largest_partitioned_numel"]
         assert one_layer == 384 * 384
         assert rank["most_gathered_per_step"][1:] == [one_layer, one_layer]  # the first step traces the module order
+        assert 0 < max(rank["most_unreduced_grads_per_step"]) <= bucket < one_layer
         report = rank["memory_report"]
         trainable, frozen = report["params_on_rank"], report["frozen_params_on_rank"]
         assert report["total"] == pytest.approx(8.0) and report["frozen"] == pytest.approx(2.0)

@@ -9,15 +9,15 @@ from torch.utils.data import TensorDataset
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int = 64, depth: int = 1) -> None:
+    def __init__(self, hidden: int = 64, depth: int = 1, bias: bool = True) -> None:
         super().__init__()
         h = hidden
         # Built in order (the first layer, then the middle ones, then the last), so that the random initial weights
         # are the same for every depth's shared layers.
-        layers = [nn.Linear(16, h), nn.GELU()]
+        layers = [nn.Linear(16, h, bias=bias), nn.GELU()]
         for _ in range(depth):
-            layers += [nn.Linear(h, h), nn.GELU()]
-        self.net = nn.Sequential(*layers, nn.Linear(h, 1))
+            layers += [nn.Linear(h, h, bias=bias), nn.GELU()]
+        self.net = nn.Sequential(*layers, nn.Linear(h, 1, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

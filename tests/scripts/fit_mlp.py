@@ -74,11 +74,13 @@ class CaptureOptimizerState(Callback):
 class CountGathered(Callback):
     """The most elements of parameters ZeRO-3 holds gathered at once in each training step, sampled as each module's
     forward and backward start, after ZeRO-3's own hooks have gathered (and prefetched) what it needs. Persistent
-    parameters, always whole on every rank, are left out."""
+    parameters, always whole on every rank, are left out. Beside it, the most elements of full-size gradients not yet
+    reduce-scattered, sampled as each module's backward starts (after the later layers' gradients were computed)."""
 
     def __init__(self) -> None:
         self.counts: list[int] = []
-        self._most = 0
+        self.grad_counts: list[int] = []
+        self._most = self._most_grads = 0
 
     def _sample(self, *_) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -90,24 +92,30 @@ class CountGathered(Callback):
         )
         self._most = max(self._most, held)
 
+    def _sample_backward(self, *args) -> None:
+        self._sample()
+        grads = sum(p.ds_numel for p in self._params if p.grad is not None and p.grad.numel() == p.ds_numel)
+        self._most_grads = max(self._most_grads, grads)
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._params = list(pl_module.parameters())
         for module in pl_module.modules():
             module.register_forward_pre_hook(self._sample)
-            module.register_full_backward_pre_hook(self._sample)
+            module.register_full_backward_pre_hook(self._sample_backward)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._most = 0
+        self._most = self._most_grads = 0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.counts.append(self._most)
+        self.grad_counts.append(self._most_grads)
 
 
 class MLP(LightningModule):
     def __init__(self, opts: dict) -> None:
         super().__init__()
         self.opts = opts
-        self.net = Layers(opts.get("hidden", 64), opts.get("depth", 1)).net
+        self.net = Layers(opts.get("hidden", 64), opts.get("depth", 1), opts.get("bias", True)).net
         if opts.get("freeze_first"):
             self.net[0].requires_grad_(False)
         for layer in [m for m in self.net if isinstance(m, nn.Linear)][: opts.get("freeze_layers", 0)]:
@@ -294,6 +302,7 @@ def main(out: Path, opts: dict) -> None:
         result["sub_group_numels"] = [t.numel() for t in zero.fp32_partitioned_groups_flat]
     if opts.get("record_gathered"):
         result["most_gathered_per_step"] = counter.counts
+        result["most_unreduced_grads_per_step"] = counter.grad_counts
         result["largest_partitioned_numel"] = max(p.ds_numel for p in model.parameters() if not p.ds_persist)
     if opts.get("gather_full"):
         import deepspeed
