@@ -132,6 +132,20 @@ class AttributionAdamW(torch.optim.Optimizer):
     def _bits(self, like: torch.Tensor) -> torch.Tensor:
         return torch.randint(-(2**31), 2**31 - 1, like.shape, dtype=torch.int32, generator=self.generator)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but the float32 states (the master weights, or the moments) come back in float32: torch casts
+        every floating-point state to its parameter's dtype, here bf16, which turned a resumed run's float32 masters
+        into bf16 weights rounded to nearest."""
+        saved = {
+            index: {name: value.clone() for name, value in state.items() if torch.is_tensor(value)}
+            for index, state in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in saved.items():
+            for name, value in values.items():
+                self.state[params[index]][name] = value.to(self.state[params[index]][name].device)
+
     @torch.no_grad()
     def step(self, closure: object = None) -> None:
         for group in self.param_groups:

@@ -72,3 +72,28 @@ def test_the_attribution_arms_round_what_they_say() -> None:
             assert moved == 0.0 and torch.allclose(state["master"], torch.full_like(state["master"], 1 - 1e-4))
         else:
             assert 0.0 < moved < 0.1
+
+
+@pytest.mark.parametrize("arm", ["fp32_masters", "sr_weights_fp32_moments", "fp32_weights_sr_moments"])
+def test_a_resumed_arm_keeps_its_float32_states_bit_for_bit(arm: str) -> None:
+    # The studies resume a run from the optimizer's state_dict; torch's load casts floating-point states to the
+    # parameter's dtype (bf16), which once turned the resumed attribution arm's float32 masters into bf16 weights.
+    def build() -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 512).bfloat16())
+        return p, arms.make_optimizer(arm, [{"params": [p], "weight_decay": 0.0}], 1e-3, seed=0)
+
+    p, opt = build()
+    for _ in range(2):
+        p.grad = torch.linspace(1, -1, 512).bfloat16()
+        opt.step()
+    q, resumed = build()
+    q.data.copy_(p.data)
+    resumed.load_state_dict(opt.state_dict())
+    # fp32_masters keeps its masters in the param groups (the study saves them beside the state_dict).
+    for a, b in zip(opt.param_groups[0]["params"], resumed.param_groups[0]["params"]):
+        b.data.copy_(a.data)
+    before = {k: v for k, v in opt.state[opt.param_groups[0]["params"][0]].items() if torch.is_tensor(v)}
+    after = {k: v for k, v in resumed.state[resumed.param_groups[0]["params"][0]].items() if torch.is_tensor(v)}
+    assert before.keys() == after.keys()
+    for name in before:
+        assert after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]), name
