@@ -621,8 +621,8 @@ def bounded_gloo_collectives() -> None:
     buffers at the peak of the backward. Piece by piece (each piece staged in one bounded buffer), the result is the
     same elements, reduced in the same order of ranks, and the temporaries no longer grow with the layer. Other
     backends (NCCL), devices and tensors of at most two pieces take DeepSpeed's own call. A finished handle is
-    returned to an ``async_op`` caller: on the CPU, where this strategy turns the prefetch off, ZeRO-3 waits on each
-    gather at once. Installed on DeepSpeed's communication backend of this process, once.
+    returned to an ``async_op`` caller: with ``gather_cache="layer"`` this strategy turns ZeRO-3's prefetch off, and
+    ZeRO-3 waits on each gather at once. Installed on DeepSpeed's communication backend of this process, once.
     """
     from deepspeed.comm import comm
 

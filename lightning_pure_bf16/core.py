@@ -65,7 +65,10 @@ ACCEPTED_PRECISION = ("32-true", "bf16-true")
 GPU_BUCKET = 200_000_000
 CPU_BUCKET = 5_000_000
 # ZeRO-3's settings of gather_cache="layer" (config.GATHER_CACHES), and the keys a user's config may set instead.
-_LAYER_GATHER = {"stage3_max_reuse_distance": 0}
+# Both on every device: with a prefetch bucket, ZeRO-3 keeps each parameter its prefetcher scanned past while it was
+# gathered, so a reuse distance of 0 alone held every layer from the third step on (4 of 4 layers with DeepSpeed's
+# 5e7-element bucket, tests/test_strategy.py's module; 1 of 4 without a prefetch).
+_LAYER_GATHER = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
 _GATHER_KEYS = ("stage3_max_reuse_distance", "stage3_max_live_parameters", "stage3_prefetch_bucket_size")
 
 
@@ -273,7 +276,7 @@ class PureBF16Settings:
         if on_cpu:
             for key in self.default_buckets:
                 config["zero_optimization"][key] = CPU_BUCKET
-        self._set_gather_cache(config["zero_optimization"], on_cpu)
+        self._set_gather_cache(config["zero_optimization"])
         reason = precision.use_float32_matmul("cpu" if on_cpu else "cuda") if precision is not None else None
         if reason is not None:
             # ZeRO-3's memory-efficient linear is a custom autograd function whose backward products would stay bf16;
@@ -285,13 +288,11 @@ class PureBF16Settings:
                 " keeps them in bf16)."
             )
 
-    def _set_gather_cache(self, zero: dict[str, Any], on_cpu: bool) -> None:
+    def _set_gather_cache(self, zero: dict[str, Any]) -> None:
         """ZeRO-3's gather cache as ``gather_cache`` says, where the user's config leaves it, logged once."""
         mine = self.user_gather_settings
         if self.gather_cache == "layer":
-            # On the CPU, whose collectives do not overlap computation, a prefetch only holds the next layer sooner.
-            settings = {**_LAYER_GATHER, **({"stage3_prefetch_bucket_size": 0} if on_cpu else {})}
-            zero.update({key: value for key, value in settings.items() if key not in mine})
+            zero.update({key: value for key, value in _LAYER_GATHER.items() if key not in mine})
         if mine:
             said = ", ".join(f"{k}={v}" for k, v in mine.items())
             rank_zero_info(
@@ -301,15 +302,11 @@ class PureBF16Settings:
         elif self.gather_cache == "layer":
             rank_zero_info(
                 f"{self.strategy_name}: gather_cache='layer': each layer's gathered parameters are released after its"
-                " forward and gathered again for its backward, as FSDP2 does (ZeRO-3 stage3_max_reuse_distance=0"
-                + (
-                    ", and no prefetch of the next layers, stage3_prefetch_bucket_size=0, which on the CPU held them"
-                    " sooner without overlapping anything"
-                    if on_cpu
-                    else ""
-                )
-                + "): about 2 bytes per parameter less at the peak of the step than keeping them, for one more"
-                " all-gather of the parameters per step (ZeRO-3's traffic 1.5x). `gather_cache='keep'` keeps them."
+                " forward and gathered again for its backward, as FSDP2 does (ZeRO-3 stage3_max_reuse_distance=0,"
+                " and stage3_prefetch_bucket_size=0: ZeRO-3's prefetcher keeps what it scans past, every layer): about"
+                " 2 bytes per parameter less at the peak of the step than keeping them, for one more all-gather of the"
+                " parameters per step (ZeRO-3's traffic 1.5x) that no prefetch overlaps. `gather_cache='keep'` keeps"
+                " them."
             )
         else:
             rank_zero_info(

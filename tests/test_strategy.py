@@ -278,17 +278,19 @@ def test_user_config_is_merged():
 def test_the_gather_cache_setting_and_the_users_own_zero3_settings_are_logged_at_setup(caplog):
     import logging
 
-    def configured(**kwargs):
+    def configured(on_cpu=True, **kwargs):
         strategy = DeepSpeedPureBF16Strategy(**kwargs)
         config = strategy.config
         with caplog.at_level(logging.INFO):
             caplog.clear()
-            strategy.settings.configure_device(config, None, on_cpu=True)
+            strategy.settings.configure_device(config, None, on_cpu=on_cpu)
         return config["zero_optimization"], caplog.text
 
-    zero, log = configured()
-    assert zero["stage3_max_reuse_distance"] == 0 and zero["stage3_prefetch_bucket_size"] == 0
-    assert "gather_cache='layer'" in log and "ZeRO-3's traffic 1.5x" in log
+    # The same settings on a GPU: a prefetch bucket with a reuse distance of 0 held every layer gathered.
+    for on_cpu in (True, False):
+        zero, log = configured(on_cpu)
+        assert zero["stage3_max_reuse_distance"] == 0 and zero["stage3_prefetch_bucket_size"] == 0
+        assert "gather_cache='layer'" in log and "ZeRO-3's traffic 1.5x" in log
     zero, log = configured(gather_cache="keep")
     assert "stage3_max_reuse_distance" not in zero and "stage3_prefetch_bucket_size" not in zero  # DeepSpeed's own
     assert "gather_cache='keep'" in log
