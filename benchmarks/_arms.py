@@ -10,7 +10,8 @@ Arms (the ``ARMS`` keys):
   8-bit moments, 8-bit moments with an 8-bit Kahan remainder, optimizer states in memory-mapped files, gradient
   release with bf16 or 8-bit moments);
 - ``pure_bf16_keep``: stochastic rounding with ``gather_cache="keep"`` (ZeRO-3 keeps the layers it gathers for the
-  forward until their backward: the speed the default's second gather costs);
+  forward until their backward: the speed the default's second gather costs), and with ``gather_cache="next"`` (the
+  next layer gathered while one computes);
 - ``fsdp2_bf16``: PyTorch FSDP2 (``fully_shard``, what Lightning's ``ModelParallelStrategy`` wraps) with bf16
   parameters and torch AdamW (bf16 states, round to nearest);
 - ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``;
@@ -54,6 +55,7 @@ ARMS = {
     "pure_bf16_release": "this strategy, gradient release",
     "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
     "pure_bf16_keep": "this strategy, stochastic rounding, gather_cache='keep' (DeepSpeed's cache of gathered layers)",
+    "pure_bf16_next": "this strategy, stochastic rounding, gather_cache='next' (the next layer gathered ahead)",
     "fsdp2_bf16": "FSDP2 bf16 parameters, torch AdamW (bf16 states, nearest)",
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
     "fsdp2_pure_bf16": "FSDP2 bf16 parameters, this package's AdamW (stochastic rounding)",
@@ -68,6 +70,7 @@ OURS = {
     "pure_bf16_release": {"gradient_release": True},
     "pure_bf16_int8_release": {"moments": "int8", "gradient_release": True},
     "pure_bf16_keep": {"gather_cache": "keep"},
+    "pure_bf16_next": {"gather_cache": "next"},
 }
 REFERENCE = "ds_bf16_mixed"
 # Arms of optional peers: the package each needs and how to install it (a missing one is skipped with that line).

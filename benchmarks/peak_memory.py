@@ -51,6 +51,8 @@ ARMS = {
     "int8_kahan": {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
     # The default before the gather cache was bounded: DeepSpeed's own cache of gathered layers.
     "stochastic_keep": {"gather_cache": "keep"},
+    # The next layer gathered while one computes (FSDP2's pattern).
+    "stochastic_next": {"gather_cache": "next"},
     # PyTorch FSDP2 through Lightning's ModelParallelStrategy: fully_shard per layer, bf16 parameters, torch AdamW.
     "fsdp2": None,
     # The same module and sharding under Trainer(strategy="fsdp2_pure_bf16..."): this package's AdamW over FSDP2.

@@ -63,6 +63,7 @@ class PrivateName:
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _LIGHTNING_DS = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
 _ACCELERATOR = "accelerate.accelerator:Accelerator"
+_COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator"
 # ZeRO-3's per-parameter views of its flat gradient partition (a name-mangled attribute).
 _GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 # Owners in optional dependencies: checked where they are installed.
@@ -114,6 +115,25 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("self", "param"),
     ),
     PrivateName(_STAGE3, "ipg_buckets", "attribute", "the gradient buckets, by communication dtype"),
+    PrivateName(_STAGE3, "parameter_offload", "attribute", "the owner of ZeRO-3's parameter coordinator"),
+    # DeepSpeed ZeRO-3 parameter coordinator (gather_cache="next")
+    PrivateName(
+        _COORDINATOR,
+        "fetch_sub_module",
+        "method",
+        "wrapped per engine: gathers the next module of the trace once the current one is (prefetch_next_module)",
+        ("self", "current_submodule", "forward"),
+    ),
+    PrivateName(_COORDINATOR, "is_complete_trace", "method", "the module order is known (prefetch_next_module)"),
+    PrivateName(_COORDINATOR, "__submodule_order", "attribute", "the recorded module order of a step"),
+    PrivateName(_COORDINATOR, "__step_id", "attribute", "the index of the next module in that order"),
+    PrivateName(
+        _COORDINATOR,
+        "_PartitionedParameterCoordinator__all_gather_params",
+        "method",
+        "starts an asynchronous all-gather and registers it as in flight, which the next fetch waits on",
+        ("self", "params", "forward"),
+    ),
     PrivateName(_STAGE3, "reduce_bucket_size", "attribute", "the bucket size a full bucket is measured against"),
     PrivateName(_STAGE3, "get_param_comm_dtype", "method", "the bucket of a parameter", ("self", "param")),
     PrivateName(
@@ -525,6 +545,48 @@ def reduce_full_buckets_at_once(zero_optimizer: Any) -> None:
             reduce(dtype)
 
     zero_optimizer.reduce_independent_p_g_buckets_and_remove_grads = add_then_reduce_if_full
+
+
+def prefetch_next_module(zero_optimizer: Any) -> None:
+    """Gather the next module of the step ahead of its use, one module at a time (``gather_cache="next"``).
+
+    With ``gather_cache="layer"`` every module's all-gather starts when its forward or backward needs it and nothing
+    overlaps it. ZeRO-3's own prefetcher cannot be used with a release after each use: it does not release a
+    parameter it scanned past while that parameter was gathered, and with any prefetch bucket a step held every layer
+    again. Here, once ZeRO-3 has gathered the module it is about to run, the next module of the recorded order (the
+    same order ZeRO-3 checks each step against) that has partitioned parameters starts its all-gather, registered as
+    in flight, so that ZeRO-3's own fetch of it waits on that gather instead of starting one. At most the module in use
+    and the next one are gathered; each is still released after its use. Before the order is recorded (ZeRO-3's first
+    two steps) and after the last module nothing is prefetched. Wrapped on this engine's coordinator only.
+    """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    from deepspeed.utils import z3_leaf_module
+
+    offload = _read(zero_optimizer, "parameter_offload", "the owner of ZeRO-3's parameter coordinator")
+    coordinator = offload.get_param_coordinator()
+    fetch = _read(coordinator, "fetch_sub_module", "ZeRO-3's fetch of a module's parameters")
+    complete = _read(coordinator, "is_complete_trace", "whether the module order is recorded")
+    gather = _read(coordinator, "_PartitionedParameterCoordinator__all_gather_params", "ZeRO-3's all-gather")
+    for name in ("__submodule_order", "__step_id"):
+        _read(coordinator, "_PartitionedParameterCoordinator" + name, "the recorded module order")
+
+    def fetch_then_prefetch(current_submodule: Any, forward: bool) -> None:
+        fetch(current_submodule, forward)
+        if not complete():
+            return
+        order = coordinator._PartitionedParameterCoordinator__submodule_order
+        step = coordinator._PartitionedParameterCoordinator__step_id
+        # The next module of the order that has partitioned parameters (containers and activations have none).
+        for following in order[step:]:
+            params = [p for p in iter_params(following, recurse=z3_leaf_module(following)) if not p.ds_persist]
+            if params:
+                missing = {p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE}
+                if missing:
+                    gather(missing, forward)
+                return
+
+    coordinator.fetch_sub_module = fetch_then_prefetch
 
 
 # Elements per piece of a collective under gloo: its temporaries are at most a few times 64 MiB (bf16), whatever the

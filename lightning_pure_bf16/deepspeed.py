@@ -225,7 +225,7 @@ def initialize(
             **kwargs,
         )
     device = torch.device("cpu") if on_cpu else torch.device("cuda", local_rank)
-    meter = core.after_engine_setup(engine, NAME, device, gradient_release=gradient_release)
+    meter = core.after_engine_setup(engine, NAME, device, gradient_release=gradient_release, gather_cache=gather_cache)
     skips = core.SkipCounter()
     skips.sync(engine)
     step = engine.step

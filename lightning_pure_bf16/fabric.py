@@ -231,6 +231,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             self.strategy_name,
             self.root_device,
             gradient_release=self.settings.gradient_release,
+            gather_cache=self.settings.gather_cache,
         )
         self._skips.sync(self._deepspeed_engine)
         # The pure-bf16 optimizer itself: a torch optimizer (schedulers, param_groups), whose `step` through Fabric's

@@ -124,7 +124,8 @@ def plan(
         reduce_bucket: ZeRO-3's gradient reduce bucket in elements (default: DeepSpeed's, 2e8; the strategies use
             5e6 on the CPU).
         layers: the model's layers, of equal size: the backward holds one layer's working set (default: 32).
-        gather_cache: this strategy's ``gather_cache``: ``"layer"`` keeps one layer gathered at a time, ``"keep"``
+        gather_cache: this strategy's ``gather_cache``: ``"layer"`` keeps one layer gathered at a time, ``"next"``
+            two (the next one gathered ahead), ``"keep"``
             every gathered layer up to ZeRO-3's live-parameter limit, as DeepSpeed's own configurations always do
             (default: ``"layer"``, the strategies' default).
 
@@ -159,7 +160,10 @@ def plan(
     # above 1e9 parameters fall inside the measured brackets; without it, they were 4% over).
     # With gather_cache="layer" (this strategy's default) each layer is released after its use: one layer gathered.
     def working(cache: str) -> float:
-        gathered = min(params, MAX_LIVE_PARAMETERS + params / layers) if cache == "keep" else params / layers
+        if cache == "keep":
+            gathered = min(params, MAX_LIVE_PARAMETERS + params / layers)
+        else:  # "next" holds the following layer too, gathered while one computes
+            gathered = (2 if cache == "next" else 1) * params / layers
         return (2 * (gathered + PREFETCH_BUCKET + reduce_bucket) + LAYER_WORKING_BYTES * params / layers) / GIB
 
     buffers, deepspeed_buffers = working(gather_cache), working("keep")

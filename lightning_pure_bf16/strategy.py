@@ -79,9 +79,11 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             partition as it was instead of skipping the whole step (default: ``False``;
             ``strategy="deepspeed_pure_bf16_release"``, ``"deepspeed_pure_bf16_int8_release"``).
         gather_cache: what ZeRO-3 keeps of the parameters it gathers: ``"layer"`` releases each layer's gathered
-            parameters after its forward and gathers them again for its backward, as FSDP2 does (the smallest peak,
-            one more all-gather of the parameters per step); ``"keep"`` holds every layer gathered in the forward until
-            its backward, DeepSpeed's default (up to 2 bytes/param more at the peak). ZeRO-3 settings of the user's
+            parameters after its forward and gathers them again for its backward (the smallest peak, one more
+            all-gather of the parameters per step, not overlapped); ``"next"`` does the same and starts the next
+            layer's all-gather as a layer computes, as FSDP2 does (one more layer at the peak, the all-gathers
+            overlapped); ``"keep"`` holds every layer gathered in the forward until its backward, DeepSpeed's default
+            (up to 2 bytes/param more at the peak). ZeRO-3 settings of the user's
             config (``stage3_max_reuse_distance``, ``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``)
             are kept as they are (default: ``"layer"``).
         trust_checkpoint: resume from checkpoints without checking that none of their files needs code to be read
@@ -318,6 +320,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             self.strategy_name,
             self.root_device,
             gradient_release=self.settings.gradient_release,
+            gather_cache=self.settings.gather_cache,
         )
 
     # ------------------------------------------------------------------------------------------------------- data

@@ -298,7 +298,7 @@ def test_the_gather_cache_setting_and_the_users_own_zero3_settings_are_logged_at
     zero, log = configured(config={"zero_optimization": mine})
     assert {k: zero[k] for k in mine} == mine
     assert "as your config says (stage3_max_reuse_distance=123, stage3_prefetch_bucket_size=456)" in log
-    with pytest.raises(ValueError, match=r"gather_cache='all'\)` is not one of \('layer', 'keep'\)"):
+    with pytest.raises(ValueError, match=r"gather_cache='all'\)` is not one of \('layer', 'next', 'keep'\)"):
         DeepSpeedPureBF16Strategy(gather_cache="all")
 
 
@@ -473,7 +473,7 @@ def test_mmap_state_dir_in_memory_is_warned_about(tmp_path, monkeypatch):
         DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir=tmp_path)
 
 
-def test_a_step_holds_one_layer_gathered_and_the_report_counts_frozen_layers(tmp_path):
+def test_a_step_holds_one_layer_gathered_or_two_with_next_and_the_report_counts_frozen_layers(tmp_path):
     # Four 384 x 384 layers (each above ZeRO-3's persistence threshold, so partitioned), sampled at every module's
     # forward and backward: with DeepSpeed's own settings (gather_cache="keep") ZeRO-3 prefetches and holds all four
     # at once (589,824 elements); the default holds the layer it is working on. The first three of the six linear
@@ -481,22 +481,20 @@ def test_a_step_holds_one_layer_gathered_and_the_report_counts_frozen_layers(tmp
     # Bias-free layers and gradient buckets smaller than a layer: each layer's gradient is reduce-scattered before
     # the next layer's backward starts, so what waits unreduced is at most the bucket (ZeRO-3 alone held a layer's
     # gradient until the next layer's had been computed).
+    # gather_cache="next" gathers the next layer while one computes: two layers at once, never more, the same bits.
     bucket = 100_000
-    proc = fit(
-        tmp_path,
-        devices=2,
-        steps=3,
-        hidden=384,
-        depth=4,
-        bias=False,
-        freeze_layers=3,
-        record_gathered=True,
-        strategy={"reduce_bucket_size": bucket},
-    )
-    for rank in load_ranks(tmp_path):
+    opts = {"devices": 2, "steps": 3, "hidden": 384, "depth": 4, "bias": False, "freeze_layers": 3}
+    proc = fit(tmp_path, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket})
+    ahead = tmp_path / "next"
+    ahead.mkdir()
+    fit(ahead, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket, "gather_cache": "next"})
+    for rank, next_rank in zip(load_ranks(tmp_path), load_ranks(ahead)):
         one_layer = rank["largest_partitioned_numel"]
         assert one_layer == 384 * 384
         assert rank["most_gathered_per_step"][1:] == [one_layer, one_layer]  # the first step traces the module order
+        # ZeRO-3 records the module order in the first two steps; from then on the next layer is gathered ahead.
+        assert max(next_rank["most_gathered_per_step"]) == next_rank["most_gathered_per_step"][-1] == 2 * one_layer
+        assert next_rank["losses"] == rank["losses"]
         assert 0 < max(rank["most_unreduced_grads_per_step"]) <= bucket < one_layer
         report = rank["memory_report"]
         trainable, frozen = report["params_on_rank"], report["frozen_params_on_rank"]
