@@ -10,6 +10,7 @@ the steps after the warm-up.
     python benchmarks/gpt_throughput.py                  # CPU: 4 x 640 (20.1M parameters), 12 steps
     python benchmarks/gpt_throughput.py --quick          # CPU: 2 x 128, 5 steps (< 5 min)
     python benchmarks/gpt_throughput.py --device cuda    # GPT-2 124M (12 x 768, 1024 tokens), 30 steps
+    python benchmarks/gpt_throughput.py --arms ds_bf16_mixed pure_bf16 pure_bf16_next --rounds 5   # medians, ranges
 Writes DIR/gpt_throughput{,_quick}.{csv,md} (DIR: benchmarks/results, or benchmarks/results/gpu on CUDA; --out).
 """
 
@@ -28,6 +29,63 @@ from _results import write_results  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 
 
+def measure(arm: str, spec: Spec) -> dict:
+    """One fresh run of ``arm``: tokens/s over the measured steps, the median step phases, the peak."""
+    missing = missing_peer(arm)
+    if missing:
+        print(f"{arm}: {missing}", file=sys.stderr, flush=True)
+        return {"arm": arm, "ok": False, "why": missing, "skipped": True}
+    r = launch(arm, spec, timeout_s=1200)
+    if not r["ok"]:
+        print(f"{arm}: {r['why'][-3000:]}", file=sys.stderr, flush=True)
+        return {"arm": arm, "ok": False, "why": r["why"].splitlines()[0]}
+    # Each step's time is the slowest rank's (the ranks wait for one another in the collectives).
+    ranks = r["ranks"]
+    fwd_bwd = [max(x["fwd_bwd_s"][i] for x in ranks) for i in range(len(ranks[0]["fwd_bwd_s"]))]
+    opt = [max(x["optimizer_s"][i] for x in ranks) for i in range(len(ranks[0]["optimizer_s"]))]
+    step = [a + b for a, b in zip(fwd_bwd, opt)]
+    tokens = spec.world_size * spec.batch_size * spec.block_size
+    row = {
+        "arm": arm,
+        "ok": True,
+        "params": r["params"],
+        "tokens_per_s": round(tokens * len(step) / sum(step), 1),
+        "fwd_bwd_s": round(statistics.median(fwd_bwd), 4),
+        "optimizer_s": round(statistics.median(opt), 4),
+        "peak_gib": round(r["peak_bytes"] / 1024**3, 3),
+    }
+    print(
+        f"{arm:22s} {row['tokens_per_s']:10,.0f} tokens/s  forward+backward {row['fwd_bwd_s']:.3f} s  optimizer"
+        f" {row['optimizer_s']:.3f} s  peak {row['peak_gib']:.2f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def aggregate(arm: str, runs: list[dict], reference: list[dict] | None) -> dict:
+    """An arm's rounds as one row: medians, and its ratio to the reference as the median of the per-round ratios
+    (each round's runs are next to each other in time)."""
+    if not runs[-1]["ok"]:
+        return runs[-1]
+    row = {
+        "arm": arm,
+        "ok": True,
+        "rounds": len(runs),
+        "params": runs[0]["params"],
+        **{key: statistics.median(r[key] for r in runs) for key in ("tokens_per_s", "fwd_bwd_s", "optimizer_s")},
+        "tokens_per_s_min": min(r["tokens_per_s"] for r in runs),
+        "tokens_per_s_max": max(r["tokens_per_s"] for r in runs),
+        "peak_gib": max(r["peak_gib"] for r in runs),
+    }
+    pairs = [(r, ref) for r, ref in zip(runs, reference or []) if ref["ok"]]
+    if pairs:
+        ratios = [r["tokens_per_s"] / ref["tokens_per_s"] for r, ref in pairs]
+        row["vs_reference"] = round(statistics.median(ratios), 3)
+        row["vs_reference_min"], row["vs_reference_max"] = round(min(ratios), 3), round(max(ratios), 3)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT, 5 steps")
@@ -35,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, the GPUs on CUDA")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run every arm this many times, round-robin; report medians and ranges"
+    )
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
     if args.world_size is None:
@@ -51,45 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         shape["warmup"] = 4
     spec = Spec(**shape, lr=1e-4, device=args.device, world_size=args.world_size)
 
-    rows = []
-    for arm in args.arms:
-        missing = missing_peer(arm)
-        if missing:
-            print(f"{arm}: {missing}", file=sys.stderr, flush=True)
-            rows.append({"arm": arm, "ok": False, "why": missing, "skipped": True})
-            continue
-        r = launch(arm, spec, timeout_s=1200)
-        if not r["ok"]:
-            print(f"{arm}: {r['why'][-3000:]}", file=sys.stderr, flush=True)
-            rows.append({"arm": arm, "ok": False, "why": r["why"].splitlines()[0]})
-            continue
-        # Each step's time is the slowest rank's (the ranks wait for one another in the collectives).
-        ranks = r["ranks"]
-        fwd_bwd = [max(x["fwd_bwd_s"][i] for x in ranks) for i in range(len(ranks[0]["fwd_bwd_s"]))]
-        opt = [max(x["optimizer_s"][i] for x in ranks) for i in range(len(ranks[0]["optimizer_s"]))]
-        step = [a + b for a, b in zip(fwd_bwd, opt)]
-        tokens = spec.world_size * spec.batch_size * spec.block_size
-        row = {
-            "arm": arm,
-            "ok": True,
-            "params": r["params"],
-            "tokens_per_s": round(tokens * len(step) / sum(step), 1),
-            "fwd_bwd_s": round(statistics.median(fwd_bwd), 4),
-            "optimizer_s": round(statistics.median(opt), 4),
-            "peak_gib": round(r["peak_bytes"] / 1024**3, 3),
-        }
-        rows.append(row)
-        print(
-            f"{arm:22s} {row['tokens_per_s']:10,.0f} tokens/s  forward+backward {row['fwd_bwd_s']:.3f} s  optimizer"
-            f" {row['optimizer_s']:.3f} s  peak {row['peak_gib']:.2f} GiB",
-            file=sys.stderr,
-            flush=True,
-        )
+    # Round-robin: every arm once per round, so that a slow spell of the machine falls on every arm alike.
+    runs: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+    for round_ in range(args.rounds):
+        for arm in args.arms:
+            if round_ and not runs[arm][-1]["ok"]:
+                continue
+            runs[arm].append(measure(arm, spec))
+    rows = [aggregate(arm, runs[arm], runs.get(REFERENCE)) for arm in args.arms]
 
     out = args.out or (RESULTS / "gpu" if gpu else RESULTS)
     stem = "gpt_throughput_quick" if args.quick else "gpt_throughput"
     command = shlex.join(["python", "benchmarks/gpt_throughput.py", *(argv if argv is not None else sys.argv[1:])])
-    ref = next((r for r in rows if r["arm"] == REFERENCE and r["ok"]), None)
     where = "summed over the ranks (resident high-water marks)" if not gpu else "torch.cuda.max_memory_allocated"
     lines = [
         f"# GPT training throughput: {spec.params():,} parameters, {args.world_size} {args.device} rank(s)",
@@ -97,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{command}`. GPT of `examples/gpt.py`, {spec.n_layer} layers x {spec.n_embd}, batch"
         f" {spec.batch_size} x {spec.block_size} tokens per rank, {spec.steps} steps of which {spec.warmup} warm-up;"
         f" the same token batches in every arm. Times are medians over the measured steps of the slowest rank; peak"
-        f" memory is {where}.",
+        f" memory is {where}."
+        + (
+            f" {args.rounds} rounds, every arm once per round in turn: each figure is the median over the rounds"
+            " (tokens/s with its range), the ratio the median of the rounds' ratios (with their range)."
+            if args.rounds > 1
+            else ""
+        ),
         "",
         "| arm | tokens/s | vs DeepSpeed bf16 mixed | forward+backward s | optimizer step s | peak GiB |",
         "|---|---:|---:|---:|---:|---:|",
@@ -106,9 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         if not r["ok"]:
             lines.append(f"| {ARMS[r['arm']]} | did not run: {r['why']} | | | | |")
             continue
-        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
+        tokens, ratio = f"{r['tokens_per_s']:,.0f}", ""
+        if "vs_reference" in r:
+            ratio = f"{r['vs_reference']:.2f}x"
+        if args.rounds > 1:
+            tokens += f" ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
+            if ratio:
+                ratio += f" ({r['vs_reference_min']:.2f}-{r['vs_reference_max']:.2f})"
         lines.append(
-            f"| {ARMS[r['arm']]} | {r['tokens_per_s']:,.0f} | {ratio} | {r['fwd_bwd_s']:.3f} | {r['optimizer_s']:.3f} |"
+            f"| {ARMS[r['arm']]} | {tokens} | {ratio} | {r['fwd_bwd_s']:.3f} | {r['optimizer_s']:.3f} |"
             f" {r['peak_gib']:.2f} |"
         )
     write_results(out, stem, rows, lines, command)
