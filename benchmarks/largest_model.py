@@ -14,6 +14,7 @@ written after each arm.
 
     python benchmarks/largest_model.py                  # 12 GiB on the CPU, 4 layers (~30-60 min on 2 cores)
     python benchmarks/largest_model.py --quick          # 2.5 GiB, 2 layers, 4 arms, a coarse grid (< 5 min)
+    python benchmarks/largest_model.py --arms fsdp2_bf16 pure_bf16_release --widths 4608 4864 5120 5376 5632
     python benchmarks/largest_model.py --device cuda --budget-gib 40
 Writes DIR/largest_model{,_quick}.{csv,md,png} (every size tried: peak memory, whether it fitted, and why not), with
 DIR = benchmarks/results (--out).
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, default=None, help="CPU: summed over ranks (default 12)")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: all (--quick: four)")
     parser.add_argument("--n-layer", type=int, default=None, help="depth (default 4; --quick 2)")
+    parser.add_argument(
+        "--widths", nargs="+", type=int, default=None, help="the grid to search, multiples of 64 (default: built in)"
+    )
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, the GPUs on CUDA")
@@ -192,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         args.budget_gib = 2.5 if args.quick else (40.0 if args.device == "cuda" else 12.0)
     if not args.budget_gib > 0:
         parser.error(f"--budget-gib must be positive, got {args.budget_gib}")
+    if args.widths and any(w <= 0 or w % 64 for w in args.widths):
+        parser.error(f"--widths must be positive multiples of 64 (64-wide heads), got {args.widths}")
     if args.device == "cpu":
         import os
 
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.world_size = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
-    grid = QUICK_GRID if args.quick else GRID
+    grid = sorted(args.widths) if args.widths else (QUICK_GRID if args.quick else GRID)
 
     if args.report_only:
         import csv
@@ -299,8 +305,14 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         )
     lines += [
         "",
-        "The width grid is coarse at the top (steps of 256-1024), so a ratio can be off by one grid step either way;"
-        " the CSV has the first size that did not fit for each arm. The planner's column is"
+        (
+            f"The widths searched: {', '.join(map(str, sorted(args.widths)))}, so a ratio can be off by one grid"
+            " step either way;"
+            if args.widths
+            else "The width grid is coarse at the top (steps of 256-1024), so a ratio can be off by one grid step"
+            " either way;"
+        )
+        + " the CSV has the first size that did not fit for each arm. The planner's column is"
         f" `plan(params, gpus={args.world_size}, gpu_memory_gib={args.budget_gib / args.world_size:g},"
         f" activation_margin_gib={margin:.2f}, reduce_bucket=<the device's>, layers={args.n_layer})` (the margin"
         " is the memory a rank holds before it builds the model, measured here) against the measured bracket: the"
