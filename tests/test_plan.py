@@ -114,7 +114,7 @@ def test_json_output():
     assert out["fits"]["pure_bf16_int8"] is True and out["layers"] == 32
 
 
-def test_with_the_default_gather_cache_one_layer_is_gathered_and_deepspeeds_rows_keep_every_layer():
+def test_with_the_default_gather_cache_one_layer_is_gathered_next_two_and_deepspeeds_rows_keep_every_layer():
     layer, keep = plan(7e9, 8, 80, layers=32), plan(7e9, 8, 80, layers=32, gather_cache="keep")
     assert layer.gather_cache == "layer"
     # keep: the live-parameter limit (1e9) plus one layer gathered; layer: one layer. 2 bytes each.
@@ -124,6 +124,9 @@ def test_with_the_default_gather_cache_one_layer_is_gathered_and_deepspeeds_rows
         assert layer.per_gpu_total_gib[config] == keep.per_gpu_total_gib[config]
     ours = layer.per_gpu_total_gib["pure_bf16_stochastic"]
     assert keep.per_gpu_total_gib["pure_bf16_stochastic"] - ours == pytest.approx(2 * 1e9 / GIB)
+    # next: the layer in use and the one gathered ahead of it.
+    ahead = plan(7e9, 8, 80, layers=32, gather_cache="next")
+    assert ahead.working_buffers_gib - layer.working_buffers_gib == pytest.approx(2 * 7e9 / 32 / GIB)
     with pytest.raises(ValueError, match="--gather-cache must be one of"):
         plan(7e9, 8, 80, gather_cache="all")
 
