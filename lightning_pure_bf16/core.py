@@ -299,6 +299,14 @@ class PureBF16Settings:
                 f"{self.strategy_name}: ZeRO-3 keeps gathered parameters as your config says ({said});"
                 f" gather_cache={self.gather_cache!r} sets only what the config leaves out."
             )
+            if zero.get("stage3_max_reuse_distance") == 0 and zero.get("stage3_prefetch_bucket_size", 1) != 0:
+                rank_zero_warn(
+                    f"{self.strategy_name}: your config sets a ZeRO-3 prefetch (stage3_prefetch_bucket_size) with"
+                    " layers released after each use (stage3_max_reuse_distance=0): ZeRO-3 then keeps every"
+                    " parameter its prefetcher scans past, and a step holds every layer gathered, as"
+                    " gather_cache='keep' does. Remove the prefetch setting, or use gather_cache='next' (one layer"
+                    " gathered ahead) or 'keep'."
+                )
         elif self.gather_cache == "layer":
             rank_zero_info(
                 f"{self.strategy_name}: gather_cache='layer': each layer's gathered parameters are released after its"

@@ -298,6 +298,10 @@ def test_the_gather_cache_setting_and_the_users_own_zero3_settings_are_logged_at
     zero, log = configured(config={"zero_optimization": mine})
     assert {k: zero[k] for k in mine} == mine
     assert "as your config says (stage3_max_reuse_distance=123, stage3_prefetch_bucket_size=456)" in log
+    # A prefetch of one's own beside the release after each use holds every layer again: said, and kept.
+    with pytest.warns(UserWarning, match="a step holds every layer gathered"):
+        zero, _ = configured(config={"zero_optimization": {"stage3_prefetch_bucket_size": 456}})
+    assert zero["stage3_prefetch_bucket_size"] == 456 and zero["stage3_max_reuse_distance"] == 0
     with pytest.raises(ValueError, match=r"gather_cache='all'\)` is not one of \('layer', 'next', 'keep'\)"):
         DeepSpeedPureBF16Strategy(gather_cache="all")
 
