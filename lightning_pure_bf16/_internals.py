@@ -115,25 +115,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("self", "param"),
     ),
     PrivateName(_STAGE3, "ipg_buckets", "attribute", "the gradient buckets, by communication dtype"),
-    PrivateName(_STAGE3, "parameter_offload", "attribute", "the owner of ZeRO-3's parameter coordinator"),
-    # DeepSpeed ZeRO-3 parameter coordinator (gather_cache="next")
-    PrivateName(
-        _COORDINATOR,
-        "fetch_sub_module",
-        "method",
-        "wrapped per engine: gathers the next module of the trace once the current one is (prefetch_next_module)",
-        ("self", "current_submodule", "forward"),
-    ),
-    PrivateName(_COORDINATOR, "is_complete_trace", "method", "the module order is known (prefetch_next_module)"),
-    PrivateName(_COORDINATOR, "__submodule_order", "attribute", "the recorded module order of a step"),
-    PrivateName(_COORDINATOR, "__step_id", "attribute", "the index of the next module in that order"),
-    PrivateName(
-        _COORDINATOR,
-        "_PartitionedParameterCoordinator__all_gather_params",
-        "method",
-        "starts an asynchronous all-gather and registers it as in flight, which the next fetch waits on",
-        ("self", "params", "forward"),
-    ),
     PrivateName(_STAGE3, "reduce_bucket_size", "attribute", "the bucket size a full bucket is measured against"),
     PrivateName(_STAGE3, "get_param_comm_dtype", "method", "the bucket of a parameter", ("self", "param")),
     PrivateName(
@@ -142,6 +123,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "marker",
         "reduce-scatters one bucket and partitions its gradients (called for a full bucket)",
     ),
+    PrivateName(_STAGE3, "parameter_offload", "attribute", "the owner of ZeRO-3's parameter coordinator"),
     PrivateName(_STAGE3, "micro_step_id", "attribute", "gradient release: a second backward before the step"),
     PrivateName(
         _STAGE3, "__param_id_to_grad_partition", "attribute", "gradient release points them at an empty tensor"
@@ -186,6 +168,24 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "ZeRO-3's gradient reduce-scatter, taken in pieces under gloo (bounded_gloo_collectives)",
     ),
     PrivateName("deepspeed.comm.comm", "cdb = None", "marker", "the communication backend DeepSpeed's collectives use"),
+    # DeepSpeed ZeRO-3 parameter coordinator (gather_cache="next")
+    PrivateName(
+        _COORDINATOR,
+        "fetch_sub_module",
+        "method",
+        "wrapped per engine: gathers the next module of the trace once the current one is (prefetch_next_module)",
+        ("self", "current_submodule", "forward"),
+    ),
+    PrivateName(_COORDINATOR, "is_complete_trace", "method", "the module order is known (prefetch_next_module)"),
+    PrivateName(_COORDINATOR, "__submodule_order", "attribute", "the recorded module order of a step"),
+    PrivateName(_COORDINATOR, "__step_id", "attribute", "the index of the next module in that order"),
+    PrivateName(
+        _COORDINATOR,
+        "_PartitionedParameterCoordinator__all_gather_params",
+        "method",
+        "starts an asynchronous all-gather and registers it as in flight, which the next fetch waits on",
+        ("self", "params", "forward"),
+    ),
     # Lightning: methods of DeepSpeedStrategy the Trainer strategy overrides or calls
     PrivateName(_LIGHTNING_DS, "_load_config", "method", "reads the user's DeepSpeed config", ("self", "config")),
     PrivateName(_LIGHTNING_DS, "_init_deepspeed_distributed", "method", "the CPU (gloo) process group", ("self",)),
