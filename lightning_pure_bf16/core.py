@@ -299,7 +299,8 @@ class PureBF16Settings:
                 f"{self.strategy_name}: ZeRO-3 keeps gathered parameters as your config says ({said});"
                 f" gather_cache={self.gather_cache!r} sets only what the config leaves out."
             )
-            if zero.get("stage3_max_reuse_distance") == 0 and zero.get("stage3_prefetch_bucket_size", 1) != 0:
+            # An absent bucket is DeepSpeed's default, a prefetch.
+            if zero.get("stage3_max_reuse_distance") == 0 and zero.get("stage3_prefetch_bucket_size") != 0:
                 rank_zero_warn(
                     f"{self.strategy_name}: your config sets a ZeRO-3 prefetch (stage3_prefetch_bucket_size) with"
                     " layers released after each use (stage3_max_reuse_distance=0): ZeRO-3 then keeps every"
