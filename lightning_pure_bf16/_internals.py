@@ -547,7 +547,7 @@ def reduce_full_buckets_at_once(zero_optimizer: Any) -> None:
     zero_optimizer.reduce_independent_p_g_buckets_and_remove_grads = add_then_reduce_if_full
 
 
-def prefetch_next_module(zero_optimizer: Any) -> None:
+def prefetch_next_module(zero_optimizer: Any, active: Callable[[], bool] = lambda: True) -> None:
     """Gather the next module of the step ahead of its use, one module at a time (``gather_cache="next"``).
 
     With ``gather_cache="layer"`` every module's all-gather starts when its forward or backward needs it and nothing
@@ -557,11 +557,10 @@ def prefetch_next_module(zero_optimizer: Any) -> None:
     same order ZeRO-3 checks each step against) that has partitioned parameters starts its all-gather, registered as
     in flight, so that ZeRO-3's own fetch of it waits on that gather instead of starting one. At most the module in use
     and the next one are gathered; each is still released after its use. Before the order is recorded (ZeRO-3's first
-    two steps) and after the last module nothing is prefetched. Wrapped on this engine's coordinator only.
+    two steps), after the last module and while ``active()`` is false nothing is prefetched. Wrapped on this engine's
+    coordinator only.
     """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
-    from deepspeed.utils import z3_leaf_module
 
     offload = _read(zero_optimizer, "parameter_offload", "the owner of ZeRO-3's parameter coordinator")
     coordinator = offload.get_param_coordinator()
@@ -573,20 +572,36 @@ def prefetch_next_module(zero_optimizer: Any) -> None:
 
     def fetch_then_prefetch(current_submodule: Any, forward: bool) -> None:
         fetch(current_submodule, forward)
-        if not complete():
+        if not (complete() and active()):
             return
         order = coordinator._PartitionedParameterCoordinator__submodule_order
         step = coordinator._PartitionedParameterCoordinator__step_id
         # The next module of the order that has partitioned parameters (containers and activations have none).
         for following in order[step:]:
-            params = [p for p in iter_params(following, recurse=z3_leaf_module(following)) if not p.ds_persist]
-            if params:
+            if params := _partitioned_params(following):
                 missing = {p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE}
                 if missing:
                     gather(missing, forward)
                 return
 
     coordinator.fetch_sub_module = fetch_then_prefetch
+
+
+def _partitioned_params(module: torch.nn.Module) -> list[Any]:
+    """The parameters ZeRO-3 gathers when it fetches ``module`` (its own, or all of a ZeRO-3 leaf module's), less the
+    persistent ones it never partitions."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    from deepspeed.utils import z3_leaf_module
+
+    return [p for p in iter_params(module, recurse=z3_leaf_module(module)) if not p.ds_persist]
+
+
+def largest_gathered_module_bytes(module: torch.nn.Module) -> int:
+    """The bytes of the largest set of parameters ZeRO-3 gathers at once for one module of ``module``: what
+    :func:`prefetch_next_module` adds at most."""
+    return max(
+        (sum(p.ds_numel * p.element_size() for p in _partitioned_params(m)) for m in module.modules()), default=0
+    )
 
 
 # Elements per piece of a collective under gloo: its temporaries are at most a few times 64 MiB (bf16), whatever the

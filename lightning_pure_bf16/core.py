@@ -291,7 +291,7 @@ class PureBF16Settings:
     def _set_gather_cache(self, zero: dict[str, Any]) -> None:
         """ZeRO-3's gather cache as ``gather_cache`` says, where the user's config leaves it, logged once."""
         mine = self.user_gather_settings
-        if self.gather_cache in ("layer", "next"):
+        if self.gather_cache != "keep":
             zero.update({key: value for key, value in _LAYER_GATHER.items() if key not in mine})
         if mine:
             said = ", ".join(f"{k}={v}" for k, v in mine.items())
@@ -324,6 +324,14 @@ class PureBF16Settings:
                 " forward and gathered again for its backward, and the next layer's all-gather starts as a layer"
                 " computes, as FSDP2 does: one more layer gathered at the peak of the step than"
                 " `gather_cache='layer'`, the all-gathers (ZeRO-3's traffic 1.5x) overlapped with computation."
+            )
+        elif self.gather_cache == "auto":
+            rank_zero_info(
+                f"{self.strategy_name}: gather_cache='auto': each layer's gathered parameters are released after its"
+                " forward and gathered again for its backward; the first step gathers one layer at a time (as"
+                " gather_cache='layer'), and if at its peak every rank has room for twice what one more layer adds, the"
+                " following steps gather the next layer while one computes (as gather_cache='next'). The decision is"
+                " logged after the first step."
             )
         else:
             rank_zero_info(
@@ -424,8 +432,12 @@ def after_engine_setup(
     """
     init_zero3_optimizer_state(engine.optimizer)
     _internals.reduce_full_buckets_at_once(engine.optimizer)
+    meter = PeakMeter(device)
     if gather_cache == "next":
         _internals.prefetch_next_module(engine.optimizer)
+    elif gather_cache == "auto":
+        auto = NextLayerIfItFits(engine, meter, strategy_name)
+        _internals.prefetch_next_module(engine.optimizer, active=lambda: auto.on)
     if gradient_release:
         # ZeRO-3's step then updates nothing: the step's gradient views and norm are not installed (they would keep
         # a reference to the gradient partition that release frees).
@@ -443,9 +455,88 @@ def after_engine_setup(
             f"{strategy_name}: optimizer states in memory-mapped files, {used:.2f} GiB in {optimizer.state_dir} on"
             f" rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory there."
         )
-    meter = PeakMeter(device)
+    if gather_cache == "auto":
+        auto.decide_after_the_first_step()  # after release, which replaces ZeRO-3's step
     meter.reset()
     return meter
+
+
+class NextLayerIfItFits:
+    """``gather_cache="auto"``: the first optimizer step runs as ``"layer"`` (one layer gathered at a time); right
+    after it, every rank measures the memory it could still take at that step's peak, and if every rank has room for
+    twice what gathering the next layer ahead adds, the following steps run as ``"next"``.
+
+    The decision needs the step's activations, which are unknown at setup. What gathering ahead adds is the largest
+    module's gathered parameters (twice that on the CPU, where gloo stages the all-gather in a copy of its own); the
+    factor of two leaves room for fragmentation and for batches larger than the first. On the CPU the ranks of a
+    machine share its memory, so their peaks and the layers they would add are summed against it. Every rank takes the
+    same decision (ZeRO-3's all-gathers must be issued in the same order everywhere), and it is logged once.
+    """
+
+    MARGIN = 2
+
+    def __init__(self, engine: Any, meter: PeakMeter, strategy_name: str) -> None:
+        self.engine, self.meter, self.strategy_name = engine, meter, strategy_name
+        self.on = False
+        self.decided = False
+
+    def decide_after_the_first_step(self) -> None:
+        zero_optimizer = self.engine.optimizer
+        step = zero_optimizer.step
+
+        def step_then_decide(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            if not self.decided:
+                self.decided = True
+                self.on = self.decide()
+            return out
+
+        zero_optimizer.step = step_then_decide
+
+    def decide(self) -> bool:
+        device = self.meter.device
+        need = self.MARGIN * _internals.largest_gathered_module_bytes(self.engine.module)
+        if device.type == "cpu":
+            need *= 2
+        measured = self.meter.headroom()
+        if _reduce(0.0 if measured is None else 1.0, "min", device) == 0.0:
+            rank_zero_info(
+                f"{self.strategy_name}: gather_cache='auto': no peak memory can be measured here, so the layers stay"
+                " gathered one at a time (as gather_cache='layer'); gather_cache='next' gathers the next one ahead."
+            )
+            return False
+        available, above = measured
+        if device.type == "cpu":  # one machine's memory for all its ranks
+            demand = _reduce(above + need, "sum", device)
+            room = _reduce(available, "min", device) - demand
+        else:
+            room = _reduce(available - above - need, "min", device)
+        fits = room >= 0
+        gib = 1024**3
+        rank_zero_info(
+            f"{self.strategy_name}: gather_cache='auto': at the first step's peak {available / gib - above / gib:.2f}"
+            f" GiB were free on rank 0, and gathering the next layer ahead needs {need / gib:.2f} GiB there (twice its"
+            " gathered parameters"
+            + (", and gloo's copy" if device.type == "cpu" else "")
+            + "): "
+            + (
+                "the next layer is gathered ahead from now on (as gather_cache='next')."
+                if fits
+                else "the layers stay gathered one at a time (as gather_cache='layer')."
+            )
+        )
+        return fits
+
+
+def _reduce(value: float, op: str, device: torch.device) -> float:
+    """``value`` reduced over every rank (``"min"`` or ``"sum"``); itself without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)
+    return tensor.item()
 
 
 _RELEASES: weakref.WeakKeyDictionary[Any, GradientRelease] = weakref.WeakKeyDictionary()

@@ -235,6 +235,29 @@ class PeakMeter:
         peak = _proc_status_bytes("VmHWM")
         return (peak, self.at_reset) if peak is not None else None
 
+    def headroom(self) -> tuple[int, int] | None:
+        """``(bytes this process can still take now, bytes its peak since the reset held above what it holds now)``,
+        or ``None`` where there is no resettable peak.
+
+        On CUDA the first is the device's free memory plus what the caching allocator reserved and does not use; on
+        the CPU the machine's available memory (``psutil.virtual_memory().available``), which the processes of one
+        machine share.
+        """
+        measured = self.read()
+        if measured is None:
+            return None
+        peak = measured[0]
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            now = torch.cuda.memory_allocated(self.device)
+            return free + torch.cuda.memory_reserved(self.device) - now, max(peak - now, 0)
+        import psutil  # a dependency of DeepSpeed
+
+        now = _proc_status_bytes("VmRSS")
+        if now is None:
+            return None
+        return psutil.virtual_memory().available, max(peak - now, 0)
+
 
 def peak_report(meter: PeakMeter, model_state: dict[str, float]) -> dict[str, Any] | None:
     """The measured peak beside model state: ``peak_gib``, ``at_setup_gib`` (the memory when the states had been

@@ -125,7 +125,8 @@ def plan(
             5e6 on the CPU).
         layers: the model's layers, of equal size: the backward holds one layer's working set (default: 32).
         gather_cache: this strategy's ``gather_cache``: ``"layer"`` keeps one layer gathered at a time, ``"next"``
-            two (the next one gathered ahead), ``"keep"``
+            two (the next one gathered ahead), ``"auto"`` one (it gathers the next one ahead only where the
+            memory left at the first step's peak holds it), ``"keep"``
             every gathered layer up to ZeRO-3's live-parameter limit, as DeepSpeed's own configurations always do
             (default: ``"layer"``, the strategies' default).
 
@@ -162,7 +163,7 @@ def plan(
     def working(cache: str) -> float:
         if cache == "keep":
             gathered = min(params, MAX_LIVE_PARAMETERS + params / layers)
-        else:  # "next" holds the following layer too, gathered while one computes
+        else:  # "next" holds the following layer too, gathered while one computes; "auto" only where that fits
             gathered = (2 if cache == "next" else 1) * params / layers
         return (2 * (gathered + PREFETCH_BUCKET + reduce_bucket) + LAYER_WORKING_BYTES * params / layers) / GIB
 

@@ -82,7 +82,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             parameters after its forward and gathers them again for its backward (the smallest peak, one more
             all-gather of the parameters per step, not overlapped); ``"next"`` does the same and starts the next
             layer's all-gather as a layer computes, as FSDP2 does (one more layer at the peak, the all-gathers
-            overlapped); ``"keep"`` holds every layer gathered in the forward until its backward, DeepSpeed's default
+            overlapped); ``"auto"`` runs the first step as ``"layer"`` and the rest as ``"next"`` if, at that step's
+            peak, every rank has room for twice what the next layer adds (the decision is logged); ``"keep"`` holds
+            every layer gathered in the forward until its backward, DeepSpeed's default
             (up to 2 bytes/param more at the peak). ZeRO-3 settings of the user's
             config (``stage3_max_reuse_distance``, ``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``)
             are kept as they are (default: ``"layer"``).

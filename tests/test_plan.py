@@ -127,6 +127,8 @@ def test_with_the_default_gather_cache_one_layer_is_gathered_next_two_and_deepsp
     # next: the layer in use and the one gathered ahead of it.
     ahead = plan(7e9, 8, 80, layers=32, gather_cache="next")
     assert ahead.working_buffers_gib - layer.working_buffers_gib == pytest.approx(2 * 7e9 / 32 / GIB)
+    # auto: gathers ahead only where the memory left at the first step's peak holds it, so it plans as one layer.
+    assert plan(7e9, 8, 80, layers=32, gather_cache="auto").working_buffers_gib == layer.working_buffers_gib
     with pytest.raises(ValueError, match="--gather-cache must be one of"):
         plan(7e9, 8, 80, gather_cache="all")
 

@@ -302,8 +302,57 @@ def test_the_gather_cache_setting_and_the_users_own_zero3_settings_are_logged_at
     with pytest.warns(UserWarning, match="a step holds every layer gathered"):
         zero, _ = configured(config={"zero_optimization": {"stage3_prefetch_bucket_size": 456}})
     assert zero["stage3_prefetch_bucket_size"] == 456 and zero["stage3_max_reuse_distance"] == 0
-    with pytest.raises(ValueError, match=r"gather_cache='all'\)` is not one of \('layer', 'next', 'keep'\)"):
+    zero, log = configured(gather_cache="auto")
+    assert zero["stage3_max_reuse_distance"] == 0 and zero["stage3_prefetch_bucket_size"] == 0
+    assert "gather_cache='auto'" in log and "decision is logged after the first step" in log
+    with pytest.raises(ValueError, match=r"gather_cache='all'\)` is not one of \('layer', 'next', 'auto', 'keep'\)"):
         DeepSpeedPureBF16Strategy(gather_cache="all")
+
+
+def test_auto_gathers_the_next_layer_only_where_twice_it_and_the_steps_peak_fit(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from lightning_pure_bf16.core import NextLayerIfItFits
+
+    # Two layers of 1,000 bf16 elements that ZeRO-3 partitions, the larger one 2,000 bytes gathered; and one it
+    # keeps whole (persistent), which no all-gather ever adds.
+    model = torch.nn.Sequential(torch.nn.Linear(10, 100, bias=False), torch.nn.Linear(100, 10, bias=False))
+    model.append(torch.nn.Linear(100, 100, bias=False))
+    for i, p in enumerate(model.parameters()):
+        p.data = p.data.bfloat16()
+        p.ds_numel, p.ds_persist = p.numel(), i == 2
+    for m in model.modules():
+        m.ds_external_parameters = list  # ZeRO-3's registry of parameters used outside their module: none
+    step_count = []
+    engine = SimpleNamespace(module=model, optimizer=SimpleNamespace(step=lambda: step_count.append(1)))
+
+    class Meter:
+        device = torch.device("cpu")
+
+        def __init__(self, available):
+            self.available = available
+
+        def headroom(self):
+            return None if self.available is None else (self.available, 1_000)  # the peak: 1,000 bytes above now
+
+    # On the CPU: twice the layer, and gloo's copy of it: 8,000 bytes beside the peak's 1,000.
+    for available, fits in ((9_000, True), (8_999, False)):
+        auto = NextLayerIfItFits(engine, Meter(available), "deepspeed_pure_bf16")
+        engine.optimizer.step = lambda: step_count.append(1)
+        auto.decide_after_the_first_step()
+        assert not auto.on
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            engine.optimizer.step()
+        assert auto.on is fits and len(step_count) == 1
+        assert ("gathered ahead from now on" if fits else "stay gathered one at a time") in caplog.text
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            engine.optimizer.step()  # decided once
+        assert auto.on is fits and len(step_count) == 2 and "gather_cache='auto'" not in caplog.text
+        step_count.clear()
+    assert NextLayerIfItFits(engine, Meter(None), "deepspeed_pure_bf16").decide() is False  # no peak measured
 
 
 def test_package_import_registers_on_reimport():
@@ -485,14 +534,25 @@ def test_a_step_holds_one_layer_gathered_or_two_with_next_and_the_report_counts_
     # Bias-free layers and gradient buckets smaller than a layer: each layer's gradient is reduce-scattered before
     # the next layer's backward starts, so what waits unreduced is at most the bucket (ZeRO-3 alone held a layer's
     # gradient until the next layer's had been computed).
-    # gather_cache="next" gathers the next layer while one computes: two layers at once, never more, the same bits.
+    # gather_cache="next" gathers the next layer while one computes: two layers at once, never more, the same bits;
+    # "auto" does the same after its first step where the memory allows it (here it does).
     bucket = 100_000
     opts = {"devices": 2, "steps": 3, "hidden": 384, "depth": 4, "bias": False, "freeze_layers": 3}
     proc = fit(tmp_path, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket})
     ahead = tmp_path / "next"
     ahead.mkdir()
     fit(ahead, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket, "gather_cache": "next"})
-    for rank, next_rank in zip(load_ranks(tmp_path), load_ranks(ahead)):
+    auto = tmp_path / "auto"
+    auto.mkdir()
+    proc_auto = fit(auto, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket, "gather_cache": "auto"})
+    assert "the next layer is gathered ahead from now on" in proc_auto.stderr  # this machine has room for it
+    for rank, next_rank, auto_rank in zip(load_ranks(tmp_path), load_ranks(ahead), load_ranks(auto)):
+        # The first step as "layer", the rest as "next".
+        assert (
+            auto_rank["most_gathered_per_step"]
+            == rank["most_gathered_per_step"][:1] + next_rank["most_gathered_per_step"][1:]
+        )
+        assert auto_rank["losses"] == rank["losses"]
         one_layer = rank["largest_partitioned_numel"]
         assert one_layer == 384 * 384
         assert rank["most_gathered_per_step"][1:] == [one_layer, one_layer]  # the first step traces the module order
