@@ -10,8 +10,9 @@ Arms (the ``ARMS`` keys):
   8-bit moments, 8-bit moments with an 8-bit Kahan remainder, optimizer states in memory-mapped files, gradient
   release with bf16 or 8-bit moments);
 - ``pure_bf16_keep``: stochastic rounding with ``gather_cache="keep"`` (ZeRO-3 keeps the layers it gathers for the
-  forward until their backward: the speed the default's second gather costs), and with ``gather_cache="next"`` (the
-  next layer gathered while one computes);
+  forward until their backward: the speed the default's second gather costs), with ``gather_cache="next"`` (the
+  next layer gathered while one computes) and with ``gather_cache="auto"`` (``"next"`` from the second step on where
+  the first step's peak leaves room for it);
 - ``fsdp2_bf16``: PyTorch FSDP2 (``fully_shard``, what Lightning's ``ModelParallelStrategy`` wraps) with bf16
   parameters and torch AdamW (bf16 states, round to nearest);
 - ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``;
@@ -56,6 +57,7 @@ ARMS = {
     "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
     "pure_bf16_keep": "this strategy, stochastic rounding, gather_cache='keep' (DeepSpeed's cache of gathered layers)",
     "pure_bf16_next": "this strategy, stochastic rounding, gather_cache='next' (the next layer gathered ahead)",
+    "pure_bf16_auto": "this strategy, stochastic rounding, gather_cache='auto' ('next' where the first step leaves room)",
     "fsdp2_bf16": "FSDP2 bf16 parameters, torch AdamW (bf16 states, nearest)",
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
     "fsdp2_pure_bf16": "FSDP2 bf16 parameters, this package's AdamW (stochastic rounding)",
@@ -71,6 +73,7 @@ OURS = {
     "pure_bf16_int8_release": {"moments": "int8", "gradient_release": True},
     "pure_bf16_keep": {"gather_cache": "keep"},
     "pure_bf16_next": {"gather_cache": "next"},
+    "pure_bf16_auto": {"gather_cache": "auto"},
 }
 REFERENCE = "ds_bf16_mixed"
 # Arms of optional peers: the package each needs and how to install it (a missing one is skipped with that line).
