@@ -513,12 +513,14 @@ class NextLayerIfItFits:
             room = _reduce(available - above - need, "min", device)
         fits = room >= 0
         gib = 1024**3
+        where = "of the memory this machine's ranks share" if device.type == "cpu" else "on the tightest rank"
         rank_zero_info(
-            f"{self.strategy_name}: gather_cache='auto': at the first step's peak {available / gib - above / gib:.2f}"
-            f" GiB were free on rank 0, and gathering the next layer ahead needs {need / gib:.2f} GiB there (twice its"
-            " gathered parameters"
-            + (", and gloo's copy" if device.type == "cpu" else "")
-            + "): "
+            f"{self.strategy_name}: gather_cache='auto': gathering the next layer ahead needs {need / gib:.2f} GiB per"
+            " rank (twice its gathered parameters"
+            + (", and gloo's copy of them" if device.type == "cpu" else "")
+            + "); at the peak of the first step that "
+            + (f"leaves {room / gib:.2f} GiB {where}" if fits else f"is {-room / gib:.2f} GiB short {where}")
+            + ": "
             + (
                 "the next layer is gathered ahead from now on (as gather_cache='next')."
                 if fits
