@@ -20,6 +20,9 @@ def test_the_cpu_peak_counts_from_the_reset_and_sees_a_buffer_freed_since():
     del during
     peak, at_reset = meter.read()
     assert 40 * MIB < peak - at_reset < 90 * MIB
+    # What gather_cache="auto" decides by: the machine's free memory, and how far the peak rose above what is held now.
+    available, above = meter.headroom()
+    assert 40 * MIB < above < 90 * MIB and available > 0
     report = peak_report(meter, {"params_on_rank": float(MIB), "total": 8.0})
     assert report["above_setup_per_param"] == pytest.approx((peak - at_reset) / MIB, rel=0.05)
     # 8 MiB of model state: fixed costs dominate what the steps add, no figure per parameter.
@@ -42,5 +45,19 @@ def test_without_a_resettable_peak_nothing_is_claimed(monkeypatch):
     monkeypatch.setattr(builtins, "open", no_clear_refs)
     meter = PeakMeter(torch.device("cpu"))
     meter.reset()
-    assert meter.read() is None and peak_report(meter, {"params_on_rank": 1.0, "total": 8.0}) is None
+    assert meter.read() is None and meter.headroom() is None
+    assert peak_report(meter, {"params_on_rank": 1.0, "total": 8.0}) is None
     assert "no peak measured" in format_peak(None)
+
+
+@pytest.mark.gpu
+def test_the_cuda_headroom_counts_what_the_allocator_keeps_reserved_as_free():
+    device = torch.device("cuda", torch.cuda.current_device())
+    meter = PeakMeter(device)
+    meter.reset()
+    during = torch.ones(256 * MIB, dtype=torch.uint8, device=device)
+    del during  # back to the caching allocator: reserved, not in use
+    available, above = meter.headroom()
+    free, _ = torch.cuda.mem_get_info(device)
+    assert 256 * MIB <= above < 300 * MIB
+    assert available >= free + 256 * MIB
