@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The correctness half of a GPU run (under 5 minutes on one CUDA GPU): the GPU-marked tests only (the Triton kernel on
 # CUDA against the PyTorch path, the Trainer and Fabric strategies, the plain-DeepSpeed front end, the Hugging Face
-# Trainer and Accelerate on one GPU, with in-memory and file-backed states, gradient release against the step).
+# Trainer and Accelerate on one GPU, with in-memory and file-backed states, gradient release against the step, the peak
+# meter's headroom that gather_cache="auto" decides by).
 # Nothing here builds the C++ CPU loop. Run it before benchmarks/gpu_performance.sh; results and logs in $OUT/gpu (or
 # benchmarks/results/gpu).
 source "$(dirname "$0")/_gpu_common.sh"
-step gpu_tests 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernel.py tests/test_int8_states.py tests/test_gpu.py
+step gpu_tests 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernel.py tests/test_int8_states.py tests/test_gpu.py tests/test_memory.py
 finish
