@@ -57,7 +57,7 @@ ARMS = {
     "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
     "pure_bf16_keep": "this strategy, stochastic rounding, gather_cache='keep' (DeepSpeed's cache of gathered layers)",
     "pure_bf16_next": "this strategy, stochastic rounding, gather_cache='next' (the next layer gathered ahead)",
-    "pure_bf16_auto": "this strategy, stochastic rounding, gather_cache='auto' ('next' where the first step leaves room)",
+    "pure_bf16_auto": "this strategy, stochastic rounding, gather_cache='auto' ('next' where room is left)",
     "fsdp2_bf16": "FSDP2 bf16 parameters, torch AdamW (bf16 states, nearest)",
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
     "fsdp2_pure_bf16": "FSDP2 bf16 parameters, this package's AdamW (stochastic rounding)",

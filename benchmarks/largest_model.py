@@ -170,7 +170,12 @@ PLANNER_CONFIG = {
     "pure_bf16_mmap": "pure_bf16_mmap",
     "pure_bf16_release": "pure_bf16_release",
     "pure_bf16_int8_release": "pure_bf16_int8_release",
+    "pure_bf16_next": "pure_bf16_stochastic",
+    "pure_bf16_keep": "pure_bf16_stochastic",
+    "pure_bf16_auto": "pure_bf16_stochastic",
 }
+# The gather_cache of the arms that do not run the default's, as the planner takes it.
+PLANNER_GATHER = {"pure_bf16_next": "next", "pure_bf16_keep": "keep", "pure_bf16_auto": "auto"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             probe = 0.0
         margin = max([t["before_model_gib"] for t in tries] + [probe])
-        predicted = planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer)
+        gather = PLANNER_GATHER.get(arm, "layer")
+        predicted = planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer, gather)
         predicted_params = predicted[PLANNER_CONFIG.get(arm, "pure_bf16_stochastic")]
         start = max([i for i, w in enumerate(grid) if _spec(w, args).params() <= predicted_params], default=0)
         largest[arm] = search(arm, grid, start, args, tries)
@@ -279,7 +285,10 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
     command = shlex.join(["python", "benchmarks/largest_model.py", *(argv if argv is not None else sys.argv[1:])])
     # What a rank holds before it builds the model (interpreter, libraries, process group): the planner's margin.
     margin = max((t["before_model_gib"] for t in tries), default=0.0)
-    planned = planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer)
+    planned = {
+        gather: planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer, gather)
+        for gather in {PLANNER_GATHER.get(arm, "layer") for arm in dict.fromkeys(t["arm"] for t in tries)}
+    }
     lines = [
         f"# The largest GPT each option trains in {args.budget_gib:g} GiB ({args.device}, {args.world_size} ranks)",
         "",
@@ -299,7 +308,8 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         ratio = f"{b['params'] / ref['params']:.2f}x" if ref else ""
         plan_text = ""
         if arm in PLANNER_CONFIG:
-            plan_text = _planner_verdict(planned[PLANNER_CONFIG[arm]], b["params"], first_failing(arm))
+            predicted = planned[PLANNER_GATHER.get(arm, "layer")][PLANNER_CONFIG[arm]]
+            plan_text = _planner_verdict(predicted, b["params"], first_failing(arm))
         lines.append(
             f"| {ARMS[arm]} | {b['width']} | {b['params'] / 1e6:,.1f}M | {b['peak_gib']:.2f} | {ratio} | {plan_text} |"
         )
@@ -314,8 +324,9 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         )
         + " the CSV has the first size that did not fit for each arm. The planner's column is"
         f" `plan(params, gpus={args.world_size}, gpu_memory_gib={args.budget_gib / args.world_size:g},"
-        f" activation_margin_gib={margin:.2f}, reduce_bucket=<the device's>, layers={args.n_layer})` (the margin"
-        " is the memory a rank holds before it builds the model, measured here) against the measured bracket: the"
+        f" activation_margin_gib={margin:.2f}, reduce_bucket=<the device's>, layers={args.n_layer},"
+        " gather_cache=<the arm's>)` (the margin is the memory a rank holds before it builds the model, measured"
+        " here) against the measured bracket: the"
         " true largest size lies between the largest that fitted and the first that did not, so a prediction inside"
         " it is as right as the grid can tell, and one outside is off by at least the distance to the bracket's"
         " nearer end. On the CPU the state files of the mmap arm are pages of the same memory (the budget counts"

@@ -64,3 +64,16 @@ def test_the_planner_command_the_pages_show_runs():
     )
     assert proc.returncode == 0, proc.stderr
     assert '"fits"' in proc.stdout  # --json among the flags
+
+
+def test_ci_runs_the_readmes_test_command_and_stops_at_any_failed_link_of_a_chain():
+    # `set -e` stops a script at a failed command, but not inside an && chain unless the command is the chain's last:
+    # a failed install or lint in the middle silently skipped the rest of its chain, and CI went on to pass.
+    readme = (ROOT / "README.md").read_text()
+    test_command = re.search(r"```bash\n(python3 -m venv .*pytest -q)\n```", readme).group(1)
+    script = (ROOT / ".ci" / "run").read_text().splitlines()
+    chains = [line for line in script if "&&" in line and not line.lstrip().startswith("#")]
+    assert any(line.startswith(test_command) for line in chains)
+    assert chains and all(line.rstrip().endswith("|| exit $?") for line in chains)
+    stops = subprocess.run(["bash", "-c", "set -euo pipefail; true && false && true || exit $?; echo went on"])
+    assert stops.returncode == 1
