@@ -329,8 +329,8 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         " here) against the measured bracket: the"
         " true largest size lies between the largest that fitted and the first that did not, so a prediction inside"
         " it is as right as the grid can tell, and one outside is off by at least the distance to the bracket's"
-        " nearer end. On the CPU the state files of the mmap arm are pages of the same memory (the budget counts"
-        " them), where on a GPU they are off the device: the planner's mmap row describes the GPU.",
+        " nearer end. On the CPU the state files of the mmap arm are in the page cache, which the budget does not"
+        " count (the kernel can drop those pages under pressure), as on a GPU they are off the device.",
         "",
         "![peak memory against parameters](" + ("largest_model_quick" if args.quick else "largest_model") + ".png)",
     ]
