@@ -424,20 +424,16 @@ def after_engine_setup(
 ) -> PeakMeter:
     """Allocate every sub-group's optimizer state now (a shortage shows at setup), give the step views of the gradient
     partition instead of copies, let the gradient norm read it in pieces, install gradient release if asked (which
-    frees the gradient partition), gather the next layer ahead with ``gather_cache="next"``, and log the memory per
-    parameter.
+    frees the gradient partition), gather the next layer ahead with ``gather_cache="next"`` (and, with ``"auto"``,
+    where the first step leaves room for it), and log the memory per parameter.
 
     Returns:
         A meter of the peak memory from now on (see :func:`peak_memory`).
     """
     init_zero3_optimizer_state(engine.optimizer)
     _internals.reduce_full_buckets_at_once(engine.optimizer)
-    meter = PeakMeter(device)
     if gather_cache == "next":
         _internals.prefetch_next_module(engine.optimizer)
-    elif gather_cache == "auto":
-        auto = NextLayerIfItFits(engine, meter, strategy_name)
-        _internals.prefetch_next_module(engine.optimizer, active=lambda: auto.on)
     if gradient_release:
         # ZeRO-3's step then updates nothing: the step's gradient views and norm are not installed (they would keep
         # a reference to the gradient partition that release frees).
@@ -455,8 +451,9 @@ def after_engine_setup(
             f"{strategy_name}: optimizer states in memory-mapped files, {used:.2f} GiB in {optimizer.state_dir} on"
             f" rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory there."
         )
-    if gather_cache == "auto":
-        auto.decide_after_the_first_step()  # after release, which replaces ZeRO-3's step
+    meter = PeakMeter(device)
+    if gather_cache == "auto":  # after release, which replaces ZeRO-3's step that this wraps
+        NextLayerIfItFits(engine, meter, strategy_name).install()
     meter.reset()
     return meter
 
@@ -479,6 +476,11 @@ class NextLayerIfItFits:
         self.engine, self.meter, self.strategy_name = engine, meter, strategy_name
         self.on = False
         self.decided = False
+
+    def install(self) -> None:
+        """Gather ahead on this engine while :attr:`on`, and decide it after the first optimizer step."""
+        _internals.prefetch_next_module(self.engine.optimizer, active=lambda: self.on)
+        self.decide_after_the_first_step()
 
     def decide_after_the_first_step(self) -> None:
         zero_optimizer = self.engine.optimizer
