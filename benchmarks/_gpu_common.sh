@@ -40,9 +40,19 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONWARNINGS=ignore
 
 status=0
 start_all=$SECONDS
+# GPU_DEADLINE_S: seconds left for this script as a whole (the lease is short): each step's limit is cut to what is
+# left, and a step with under 20 s left is skipped and reported as such.
+deadline=$((SECONDS + ${GPU_DEADLINE_S:-100000}))
 step() {  # name, time limit (s), command...
     local name=$1 limit=$2 start=$SECONDS
     shift 2
+    local left=$((deadline - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        echo "== $name: SKIPPED, ${left} s left of GPU_DEADLINE_S" >&2
+        status=1
+        return
+    fi
+    if [ "$limit" -gt "$left" ]; then limit=$left; fi
     timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
     local rc=$?
     local took=$((SECONDS - start))

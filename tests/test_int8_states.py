@@ -92,6 +92,25 @@ def test_backends_write_the_same_bytes(backend, config, shape):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_the_torch_path_never_divides_by_a_python_number(config):
+    # On CUDA, torch computes `tensor / number` as a multiplication by the number's reciprocal, which is not correctly
+    # rounded: the torch path on a GPU then wrote other 8-bit codes than the Triton kernel (seen on an H200).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    divisions = []
+
+    class Divisions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_):
+                divisions.append(type(args[1]).__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Divisions():
+        _run((300,), "torch", **config)
+    assert divisions and set(divisions) == {"Tensor"}, divisions
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))

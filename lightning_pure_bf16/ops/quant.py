@@ -53,7 +53,9 @@ def _uniform(bits: torch.Tensor) -> torch.Tensor:
 
 def _level(k: torch.Tensor, levels: int, power: int) -> torch.Tensor:
     """(k / levels) ** power, normalized to the block scale, for float32 ``k >= 0``."""
-    t = k / levels
+    # Divided by a tensor on k's device, not a Python number: CUDA torch turns a division by a CPU scalar into a
+    # multiplication by its reciprocal (not correctly rounded), and the other backends divide.
+    t = k / k.new_full((), levels)
     t2 = t * t
     return t2 * t2 if power == 4 else t2
 
