@@ -14,6 +14,7 @@ from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoi
 from lightning_pure_bf16.data import resume_fabric_dataloader
 from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
 from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Strategy
+from lightning_pure_bf16.integrations import host_watch
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.precision import PureBF16FabricPrecision, PureBF16Precision
@@ -24,6 +25,9 @@ __version__ = "0.1.0"
 DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)
 DeepSpeedPureBF16FabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 FSDP2PureBF16Strategy.register_strategies(StrategyRegistry)
+# A stock Hugging Face host that drops this package's optimizer is told about (imports neither transformers nor
+# Accelerate).
+host_watch.install()
 
 __all__ = [
     "Adam",

@@ -5,11 +5,13 @@ import copy
 import io
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import lightning_pure_bf16
 from lightning_pure_bf16 import Adam, AdamW
 
 
@@ -551,3 +553,49 @@ def test_a_dtensor_shard_draws_by_its_index_in_the_whole_tensor_or_from_a_seed_o
         assert torch.equal(by_column, trained(None, seed=rank_seed(7, 0))[0])
     finally:
         dist.destroy_process_group()
+
+
+def test_construction_hooks_see_every_optimizer_built_until_removed():
+    from lightning_pure_bf16.optim import register_construction_hook
+
+    seen = []
+    handle = register_construction_hook(seen.append)
+    built = [AdamW([torch.zeros(3, dtype=torch.bfloat16)]), Adam([torch.zeros(3, dtype=torch.bfloat16)])]
+    handle.remove()
+    AdamW([torch.zeros(3, dtype=torch.bfloat16)])
+    assert seen == built
+
+
+def test_the_optimizer_and_kernel_layers_read_no_host_state():
+    # Lookups that no import contract sees: a host's module through sys.modules, a launcher's variables.
+    package = Path(lightning_pure_bf16.__file__).parent
+    for path in [*(package / "optim").glob("*.py"), *(package / "ops").glob("*.py")]:
+        source = path.read_text()
+        for needle in ("sys.modules", "ACCELERATE_", "_hf_deepspeed", "import transformers", "import accelerate"):
+            assert needle not in source, f"{path.name}: {needle}"
+
+
+@pytest.mark.parametrize("first", ["torch", "ours"])
+def test_a_dropped_optimizer_of_this_package_is_told_about_when_another_steps_first(monkeypatch, first):
+    import gc
+    import warnings
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # a Hugging Face host set up for DeepSpeed
+    p = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    ours = AdamW([p])  # built, then dropped by the host: nothing refers to it any more
+    if first == "ours":
+        ours.step()
+    del ours
+    gc.collect()
+    other = torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        other.step()
+        other.step()
+    said = [str(w.message) for w in seen if "lightning_pure_bf16" in str(w.message)]
+    if first == "ours":
+        assert said == []
+    else:
+        (message,) = said
+        assert "torch.optim.sgd.SGD` is stepping" in message and "PureBF16Trainer" in message

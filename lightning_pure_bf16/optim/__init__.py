@@ -1,9 +1,10 @@
 """Pure-bf16 optimizers, and what the layers above use of the optimizer: per-rank seeds, whether the fused CPU loop
-is available, and the 8-bit state format's decoders (checkpoints decode saved 8-bit states)."""
+is available, the 8-bit state format's decoders (checkpoints decode saved 8-bit states), and a hook called with each
+optimizer built (the layers above watch what a host does with it)."""
 
 from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
 from lightning_pure_bf16.ops.rng import rank_seed
-from lightning_pure_bf16.optim.adamw import Adam, AdamW
+from lightning_pure_bf16.optim.adamw import Adam, AdamW, register_construction_hook
 
-__all__ = ["Adam", "AdamW", "fused_cpu_available", "quant", "rank_seed"]
+__all__ = ["Adam", "AdamW", "fused_cpu_available", "quant", "rank_seed", "register_construction_hook"]

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, Literal
@@ -19,7 +18,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.adamw_cpu import (
@@ -253,8 +252,8 @@ class AdamW(Optimizer):
         # The parameters this optimizer was given (ids): a float32 tensor stepped in their place is a wrapper's master.
         self._given_params: set[int] = set()
         super().__init__(params, defaults)
-        if _host_prepares_deepspeed():
-            _watch_for_replacement(self)
+        for hook in list(_construction_hooks.values()):
+            hook(self)
         if backend in ("auto", "cpu") and any(
             p.device.type == "cpu" and p.dtype == torch.bfloat16 for g in self.param_groups for p in g["params"]
         ):
@@ -1101,54 +1100,17 @@ class AdamW(Optimizer):
                     self.state[p][key].view(-1).copy_(value.reshape(-1))
 
 
-def _host_prepares_deepspeed() -> bool:
-    """Whether a Hugging Face host is set up for DeepSpeed: ``TrainingArguments(deepspeed=...)`` holds a live DeepSpeed
-    config in transformers (its own test, ``is_deepspeed_zero3_enabled``, reads it), and ``accelerate launch`` with
-    DeepSpeed sets ACCELERATE_USE_DEEPSPEED. Both are in place before a user builds the optimizer."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        return True
-    hf = sys.modules.get("transformers.integrations.deepspeed")
-    ref = getattr(hf, "_hf_deepspeed_config_weak_ref", None)
-    return ref is not None and ref() is not None
+# Called with every optimizer of this package once it is built (register_construction_hook): the layers above watch
+# what a host does with it, and this layer knows nothing of any host.
+_construction_hooks: OrderedDict[int, Callable[[AdamW], None]] = OrderedDict()  # RemovableHandle refers to it weakly
 
 
-# Optimizers of this package built while a Hugging Face host prepares DeepSpeed, watched until some optimizer steps.
-_watched: weakref.WeakSet[AdamW] = weakref.WeakSet()
-_watch_hook: Any = None
-
-
-def _watch_for_replacement(optimizer: AdamW) -> None:
-    """Watch for a host that discards ``optimizer``: a stock ``transformers.Trainer`` with DeepSpeed drops the optimizer
-    given in ``optimizers=`` and trains with a torch AdamW on float32 masters, before any code of this package runs
-    again. The first optimizer step anywhere tells: one of this package's optimizers stepping means it is in use
-    (this package's own integrations convert and step it); another optimizer stepping while this one never has
-    means it was replaced, and says so once."""
-    global _watch_hook
-    _watched.add(optimizer)
-    if _watch_hook is None:
-        _watch_hook = register_optimizer_step_pre_hook(_first_step_anywhere)
-
-
-def _first_step_anywhere(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    global _watch_hook
-    replaced = [] if isinstance(optimizer, AdamW) else list(_watched)
-    _watched.clear()
-    if _watch_hook is not None:
-        _watch_hook.remove()
-        _watch_hook = None
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if replaced and rank == 0:
-        name = type(replaced[0]).__name__
-        warnings.warn(
-            f"`lightning_pure_bf16.{name}` was built for a Hugging Face DeepSpeed run, but"
-            f" `{type(optimizer).__module__}.{type(optimizer).__name__}` is stepping and it never has: the host"
-            " replaced it. A stock `transformers.Trainer` with DeepSpeed discards the optimizer given in `optimizers=`"
-            " and trains with torch AdamW on float32 master weights (16+ bytes/param, not pure bf16). Use"
-            " `lightning_pure_bf16.integrations.transformers.PureBF16Trainer` (same arguments; it trains with the"
-            " optimizer you give it), or `PureBF16Accelerator` for an Accelerate loop.",
-            UserWarning,
-            stacklevel=2,
-        )
+def register_construction_hook(hook: Callable[[AdamW], None]) -> RemovableHandle:
+    """Call ``hook(optimizer)`` for every :class:`AdamW` (and :class:`Adam`) built from now on, after its parameter
+    groups are set and before its first step. Returns a handle whose ``remove()`` stops the calls."""
+    handle = RemovableHandle(_construction_hooks)
+    _construction_hooks[handle.id] = hook
+    return handle
 
 
 def _saveable(state: dict[str, Any]) -> dict[str, Any]:
@@ -1227,4 +1189,4 @@ def _check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_deca
     check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "register_construction_hook"]

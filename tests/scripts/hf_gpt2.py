@@ -187,11 +187,16 @@ def run_stock_trainer(rank: int, out: Path, opts: dict) -> dict:
         disable_tqdm=True,
     )
     model = tiny_gpt2()
-    if opts.get("given"):  # the optimizer given in `optimizers=`, which the stock Trainer drops under DeepSpeed
-        optimizer = {"optimizers": (AdamW(model.parameters(), lr=1e-3), None)}
+    if opts.get("given"):
+        # The optimizer written inline in `optimizers=`, as most users write it: the stock Trainer drops it under
+        # DeepSpeed, and nothing else refers to it, so it is collected before the first step.
+        trainer = Trainer(
+            model=model, args=args, train_dataset=dataset(), optimizers=(AdamW(model.parameters(), lr=1e-3), None)
+        )
     else:  # the optimizer the stock Trainer builds itself and hands to DeepSpeed's bf16 mixed precision
-        optimizer = {"optimizer_cls_and_kwargs": (AdamW, {"lr": 1e-3})}
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(), **optimizer)
+        trainer = Trainer(
+            model=model, args=args, train_dataset=dataset(), optimizer_cls_and_kwargs=(AdamW, {"lr": 1e-3})
+        )
     import warnings
 
     with warnings.catch_warnings(record=True) as seen:
