@@ -38,6 +38,16 @@ def test_the_wheel_holds_every_cpp_source(wheel):
     assert not missing, f"not in the wheel: {missing}"
 
 
+def test_the_wheel_names_its_license_file_and_ships_it(wheel):
+    archive = zipfile.ZipFile(wheel)
+    (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    text = archive.read(metadata).decode()
+    assert "License-File: LICENSE" in text
+    (shipped,) = [n for n in archive.namelist() if n.endswith("/LICENSE") and ".dist-info/" in n]
+    assert archive.read(shipped).decode() == (ROOT / "LICENSE").read_text()
+    assert "Apache License" in archive.read(shipped).decode()
+
+
 def test_the_loop_builds_from_an_installed_package_after_a_killed_build_and_matches_the_pytorch_path(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run(
