@@ -130,11 +130,11 @@ def check_dcp_checkpoint(path: str | os.PathLike, *, trust: bool = False) -> Non
 
 def verify_state_file(path: str | os.PathLike) -> None:
     """Check every record of a torch file against the CRC-32 torch's writer stored beside it in the file (a zip
-    archive), reading the file once: a changed byte anywhere in it is found. Files in torch's legacy format (no
-    checksums) pass unchecked.
+    archive), reading the file once: a changed byte anywhere in it is found. A file in torch's legacy format (before
+    torch 1.6) carries no checksums and is refused: nothing could say whether its bytes changed.
 
     Raises:
-        CheckpointError: naming the file and the record whose bytes changed.
+        CheckpointError: naming the file and the record whose bytes changed, or a file in the legacy format.
     """
     path = Path(path)
     try:
@@ -142,7 +142,12 @@ def verify_state_file(path: str | os.PathLike) -> None:
             bad = archive.testzip()
     except zipfile.BadZipFile:
         if _is_legacy(path):
-            return
+            raise CheckpointError(
+                f"'{path}' is in torch's legacy (pre-1.6, not zip) format, which carries no checksums, so whether its"
+                " bytes changed cannot be checked. Nothing was loaded. DeepSpeed and this package write the zip"
+                " format; if you trust the file's bytes, rewrite it in that format:"
+                f" `torch.save(torch.load('{path}', weights_only=True), '{path}')`."
+            ) from None
         bad = "its directory of records"
     except (OSError, EOFError) as err:
         raise CheckpointError(f"'{path}' is unreadable: {_first_line(err)}") from err

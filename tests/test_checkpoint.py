@@ -400,3 +400,14 @@ def test_plain_deepspeed_tag_is_found_through_latest(fp32_master_checkpoint):
     state = consolidate_checkpoint(tagged)
     assert set(state) == set(consolidate_checkpoint(fp32_master_checkpoint))
     assert all(v.dtype == torch.bfloat16 for v in state.values())
+
+
+def test_a_state_file_in_torchs_legacy_format_is_refused_as_uncheckable(tmp_path):
+    from lightning_pure_bf16.safe_load import verify_state_file
+
+    legacy, current = tmp_path / "legacy.pt", tmp_path / "current.pt"
+    torch.save({"w": torch.ones(4, dtype=torch.bfloat16)}, legacy, _use_new_zipfile_serialization=False)
+    torch.save({"w": torch.ones(4, dtype=torch.bfloat16)}, current)
+    verify_state_file(current)  # the zip format: checked, and intact
+    with pytest.raises(CheckpointError, match=r"legacy \(pre-1.6, not zip\) format, which carries no checksums"):
+        verify_state_file(legacy)
