@@ -110,9 +110,13 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
         zero3_state_dtypes,
     )
 
+    before = 0
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        # What earlier configurations left allocated is not this one's (seen on an H200: each row's peak was the row
+        # before's plus its own state, the previous engines not freed by the time the next began).
+        before = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     model = make_model(width, depth).to(torch.bfloat16)
     base = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": dict(ZERO), "zero_allow_untested_optimizer": True}
@@ -163,7 +167,7 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
     report["dtypes"] = "; ".join(f"{k} {v}" for k, v in zero3_state_dtypes(engine.optimizer).items())
     tracked = sum(t.untyped_storage().nbytes() for _, t in reachable_tensors(engine.optimizer) if not is_file_backed(t))
     tracked += sum(p.untyped_storage().nbytes() for p in engine.module.parameters() if p.untyped_storage().nbytes())
-    report["peak_per_param"] = (torch.cuda.max_memory_allocated() if device == "cuda" else tracked) / report[
+    report["peak_per_param"] = (torch.cuda.max_memory_allocated() - before if device == "cuda" else tracked) / report[
         "params_on_rank"
     ]
     engine.destroy()
@@ -217,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --world-size {args.world_size}" if args.world_size else "")
     )
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
-    peak_label = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "tracked buffers (incl. buckets)"
+    peak_label = (
+        "torch.cuda.max_memory_allocated above what was allocated before the configuration"
+        if args.device == "cuda"
+        else "tracked buffers (incl. buckets)"
+    )
     reference = rows[0]["total"]
     lines = [
         f"# Model-state memory: {n_params:,} parameters, ZeRO-3 on {world} rank(s), {device_name}",
