@@ -101,15 +101,26 @@ def take_options(who: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """
     defaults = inspect.signature(initialize).parameters
     options = {name: kwargs.pop(name, defaults[name].default) for name in OPTION_NAMES}
+    options["trust_checkpoint"] = kwargs.pop("trust_checkpoint", False)
+    _check_trust(who, options["trust_checkpoint"])
     core.PureBF16Settings(
         who=who,
         strategy_name=who,
         loaded_config=None,
         reduce_bucket_size=None,
         allgather_bucket_size=None,
-        **options,
+        **{name: options[name] for name in OPTION_NAMES},
     )
     return options
+
+
+def _check_trust(who: str, trust_checkpoint: Any) -> None:
+    if not isinstance(trust_checkpoint, bool):
+        raise ValueError(
+            f"`{who}(trust_checkpoint={trust_checkpoint!r})` must be True or False: True reads the checkpoints this"
+            " run resumes from with the full unpickler, which runs any code a file names (only for files whose writer"
+            " you trust)."
+        )
 
 
 def initialize(
@@ -131,6 +142,7 @@ def initialize(
     backend: str = "auto",
     gradient_release: bool = False,
     gather_cache: str = "layer",
+    trust_checkpoint: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, AdamW, Any, Any]:
     """``deepspeed.initialize`` in pure bf16: the same arguments and return value, plus the strategies' options.
@@ -144,6 +156,9 @@ def initialize(
             ``"pure_bf16"`` section with ``state_storage`` and ``state_dir``, as the strategies' config does.
         rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache: as
             :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
+        trust_checkpoint: the engine's own ``load_checkpoint`` (what the Hugging Face Trainer's and Accelerate's
+            resume call) reads files that need code to be read, with the full unpickler; only for checkpoints whose
+            writer you trust, since such a file can run any command (default: False, such a file is refused).
         **kwargs: passed on to ``deepspeed.initialize`` (``collate_fn``, ``mpu``, ``dist_init_required``...).
 
     Returns:
@@ -161,6 +176,7 @@ def initialize(
     silence_known_warnings()
     if model is None:
         raise ValueError(f"`{WHO}` needs `model`.")
+    _check_trust(WHO, trust_checkpoint)
     if config is not None and config_params is not None:
         raise ValueError(f"`{WHO}` got both `config` and `config_params` (its older name); pass one of them.")
     config = config if config is not None else config_params
@@ -241,7 +257,7 @@ def initialize(
 
     engine.step = step_and_count  # per engine: a step ZeRO-3 skipped on inf/NaN is counted and warned about
     engine.pure_bf16 = _Handle(engine, meter, skips)
-    _route_checkpoint_methods(engine)
+    _route_checkpoint_methods(engine, trust_checkpoint=trust_checkpoint)
     return engine, optimizer, loader, scheduler
 
 
@@ -330,7 +346,7 @@ def load_checkpoint(
     return client_state
 
 
-def _route_checkpoint_methods(engine: Any) -> None:
+def _route_checkpoint_methods(engine: Any, *, trust_checkpoint: bool = False) -> None:
     """The engine's own ``save_checkpoint``/``load_checkpoint`` (what the Hugging Face Trainer and Accelerate call) go
     through :func:`save_checkpoint`/:func:`load_checkpoint`, in DeepSpeed's layout: ``save_dir/<tag>`` (default tag
     ``global_step<N>``) and a ``latest`` file. ``load_dir`` may also be one checkpoint (``save_dir/<tag>``)."""
@@ -374,6 +390,7 @@ def _route_checkpoint_methods(engine: Any) -> None:
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             strict=load_module_strict,
+            trust_checkpoint=trust_checkpoint,
         )
         return os.fspath(path), client_state
 

@@ -154,6 +154,7 @@ def test_the_configs_optimizer_section_and_options_are_honoured(ds_out):
         ({"optimizer": {"type": "SGD"}}, {}, "pure bf16 trains with Adam or AdamW"),
         ({"data_types": {"grad_accum_dtype": "fp32"}}, {}, "grad_accum_dtype"),
         ({}, {"rounding": "up"}, "rounding"),
+        ({}, {"trust_checkpoint": "yes"}, "trust_checkpoint='yes'"),
     ],
 )
 def test_what_contradicts_pure_bf16_is_refused_before_anything_is_set_up(config, options, match, monkeypatch):
@@ -184,3 +185,27 @@ def test_checkpoint_functions_refuse_an_engine_they_did_not_make():
 
     with pytest.raises(ValueError, match="needs an engine made by"):
         pure_bf16.save_checkpoint(object(), "anywhere")
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_the_engines_own_load_checkpoint_reads_as_trusted_only_where_initialize_was_told(monkeypatch, tmp_path, trust):
+    # The Hugging Face Trainer and Accelerate resume through engine.load_checkpoint: trust_checkpoint reaches it.
+    import lightning_pure_bf16.deepspeed as pure_bf16
+
+    seen = {}
+    monkeypatch.setattr(pure_bf16, "load_checkpoint", lambda engine, path, **kw: seen.update(kw) or {"step": 3})
+    monkeypatch.setattr(pure_bf16.core, "is_checkpoint", lambda path: True)
+    engine = type("Engine", (), {})()
+    pure_bf16._route_checkpoint_methods(engine, trust_checkpoint=trust)
+    path, client_state = engine.load_checkpoint(tmp_path)
+    assert seen["trust_checkpoint"] is trust and client_state == {"step": 3} and path == str(tmp_path)
+
+
+def test_the_hugging_face_front_ends_take_trust_checkpoint_and_refuse_a_non_bool():
+    import lightning_pure_bf16.deepspeed as pure_bf16
+
+    kwargs = {"trust_checkpoint": True, "output_dir": "x"}
+    options = pure_bf16.take_options("PureBF16Trainer", kwargs)
+    assert options["trust_checkpoint"] is True and kwargs == {"output_dir": "x"}
+    with pytest.raises(ValueError, match=r"`PureBF16Accelerator\(trust_checkpoint=1\)` must be True or False"):
+        pure_bf16.take_options("PureBF16Accelerator", {"trust_checkpoint": 1})

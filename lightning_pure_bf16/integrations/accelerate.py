@@ -45,6 +45,8 @@ class PureBF16Accelerator(accelerate.Accelerator):
             runs DeepSpeed on the CPU over gloo.
         rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache:
             keyword options, as :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
+        trust_checkpoint: a resume reads files that need code to be read, with the full unpickler (default: False,
+            such a file is refused); only for checkpoints whose writer you trust.
 
     Raises:
         ValueError: a bad option, another ``mixed_precision``, or no DeepSpeed, before Accelerate is set up.

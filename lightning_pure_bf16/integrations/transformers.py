@@ -73,6 +73,8 @@ class PureBF16Trainer(transformers.Trainer):
             give a torch ``AdamW``/``Adam`` or a ``lightning_pure_bf16.AdamW`` and a scheduler on it.
         rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache:
             keyword options, as :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
+        trust_checkpoint: a resume reads files that need code to be read, with the full unpickler (default: False,
+            such a file is refused); only for checkpoints whose writer you trust.
 
     Raises:
         ValueError: a bad option, ``TrainingArguments`` without DeepSpeed or bf16, or another optimizer choice,
