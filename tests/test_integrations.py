@@ -1,7 +1,8 @@
 """The Hugging Face Trainer (``PureBF16Trainer``) and Accelerate (``PureBF16Accelerator``) on 2 CPU processes: 8
 bytes/param (6.03 with 8-bit moments) by the report and by a walk of ZeRO-3's buffers, the loss falls, checkpoints
 resume bit for bit and on another world size, the exported weights load with ``from_pretrained``; the silent paths to
-float32 masters speak; bad options are refused with the words of the other front ends."""
+float32 masters speak; bad options are refused with the words of the other front ends; TRL's SFT and DPO trainers
+through the class factory."""
 
 from __future__ import annotations
 
@@ -73,6 +74,38 @@ def test_hf_trainer_trains_at_8_bytes_per_param_with_its_groups(trainer_runs):
         assert rank["weight_decay"] == [0.1, 0.0]  # the Trainer's decay and no-decay groups
         assert rank["global_steps"] == 6
         assert sum(rank["losses"][-2:]) / 2 < rank["losses"][0] - 0.05
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_trainers_train_pure_bf16_through_the_class_factory(kind, tmp_path):
+    pytest.importorskip("trl")
+    hf_run(tmp_path, front="trl", trl=kind, steps=6)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in ranks:
+        assert rank["class"] == f"PureBF16{kind.upper()}Trainer"
+        assert rank["optimizer_class"] == "lightning_pure_bf16.optim.adamw.AdamW"
+        assert all(p.dtype == torch.bfloat16 for p in rank["flat_params"])
+        assert rank["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+        assert _walked_bytes_per_param(rank) == pytest.approx(8.0, rel=0.01)
+        assert sum(rank["losses"][-2:]) / 2 < rank["losses"][0] - 0.05
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # one loss, reduced over the ranks
+    if kind == "dpo":
+        assert ranks[0]["ref_dtypes"] == ["torch.bfloat16"] and ranks[0]["ref_partitioned"] and ranks[0]["ref_exact"]
+
+
+def test_the_class_factory_takes_trainer_subclasses_only():
+    import transformers
+
+    from lightning_pure_bf16.integrations.transformers import PureBF16Trainer, pure_bf16_trainer
+
+    class MyTrainer(transformers.Trainer):
+        pass
+
+    made = pure_bf16_trainer(MyTrainer)
+    assert made.__name__ == "PureBF16MyTrainer" and issubclass(made, MyTrainer)
+    assert pure_bf16_trainer(MyTrainer) is made and pure_bf16_trainer(PureBF16Trainer) is PureBF16Trainer
+    with pytest.raises(TypeError, match="subclass of `transformers.Trainer`"):
+        pure_bf16_trainer(torch.nn.Module)
 
 
 def test_the_process_group_the_libraries_made_is_destroyed_at_exit(trainer_runs, accelerate_runs, tmp_path_factory):

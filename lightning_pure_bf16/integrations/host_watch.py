@@ -73,7 +73,8 @@ def _first_step_anywhere(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
             " replaced it. A stock `transformers.Trainer` with DeepSpeed discards the optimizer given in `optimizers=`"
             " and trains with torch AdamW on float32 master weights (16+ bytes/param, not pure bf16). Use"
             " `lightning_pure_bf16.integrations.transformers.PureBF16Trainer` (same arguments; it trains with the"
-            " optimizer you give it), or `PureBF16Accelerator` for an Accelerate loop.",
+            " optimizer you give it), `pure_bf16_trainer(SFTTrainer)` for a subclass such as TRL's, or"
+            " `PureBF16Accelerator` for an Accelerate loop.",
             UserWarning,
             stacklevel=2,
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from typing import Any
 
 import transformers
@@ -63,7 +64,67 @@ def deepspeed_config(**overrides: Any) -> dict[str, Any]:
     return config
 
 
-class PureBF16Trainer(transformers.Trainer):
+class PureBF16TrainerMixin:
+    """Pure bf16 for any ``transformers.Trainer`` subclass: put it first among the bases (``class
+    MyTrainer(PureBF16TrainerMixin, SFTTrainer)``), or let :func:`pure_bf16_trainer` make the class.
+
+    It changes four methods of the Trainer, and only them: ``__init__`` (takes this package's keyword options, checks
+    the ``TrainingArguments`` before anything is set up), ``create_accelerator_and_postprocess`` (routes Accelerate's
+    ``deepspeed.initialize`` of the trained model to :func:`lightning_pure_bf16.deepspeed.initialize`),
+    ``create_optimizer`` and ``create_scheduler`` (the ones given in ``optimizers=`` are used, not dropped). A
+    subclass that prepares another model for DeepSpeed itself (TRL's ``DPOTrainer`` and its reference model) keeps
+    doing so: that model is not trained and holds no optimizer.
+    """
+
+    pure_bf16_options: dict[str, Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        who = type(self).__name__
+        self.pure_bf16_options = pure_bf16_deepspeed.take_options(who, kwargs)
+        training_args = _training_args_of(super().__init__, args, kwargs)
+        _check_training_args(training_args, who)
+        if self.pure_bf16_options["gradient_release"]:
+            # The Trainer's own values, checked before anything is set up (its DeepSpeed config takes them as "auto").
+            check_release_config(
+                who,
+                {
+                    "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+                    "gradient_clipping": training_args.max_grad_norm,
+                },
+                state_storage=self.pure_bf16_options["state_storage"],
+            )
+        super().__init__(*args, **kwargs)
+        # The process group TrainingArguments created is destroyed at exit if still alive (else a finished run could
+        # abort there, exit 134).
+        core.destroy_process_group_at_exit()
+        # The Trainer's DeepSpeed set-up drops what `optimizers=` gave: kept here, used by create_optimizer/scheduler.
+        self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        if self.is_deepspeed_enabled:
+            initialize = functools.partial(pure_bf16_deepspeed.initialize, **self.pure_bf16_options)
+            _internals.route_accelerate_deepspeed(self.accelerator, initialize)
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        """The optimizer given in ``optimizers=``, else the Trainer's torch AdamW with its weight-decay groups; either
+        becomes the pure-bf16 optimizer when DeepSpeed is set up."""
+        if self.optimizer is None and self._given_optimizer is not None:
+            self.optimizer = self._given_optimizer
+        return super().create_optimizer(model)  # type: ignore[misc]
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The scheduler given in ``optimizers=``, following the pure-bf16 optimizer; else the Trainer's own."""
+        if self.lr_scheduler is None and self._given_scheduler is not None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper around the optimizer
+            if getattr(self._given_scheduler, "optimizer", None) is not inner:
+                rebind_scheduler(self._given_scheduler, inner)
+            self.lr_scheduler = self._given_scheduler
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
+
+
+class PureBF16Trainer(PureBF16TrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with DeepSpeed ZeRO-3 in pure bf16 (8 bytes/param; 6 with ``moments="int8"``).
 
     Args:
@@ -81,70 +142,67 @@ class PureBF16Trainer(transformers.Trainer):
             before the Trainer is set up.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.pure_bf16_options = pure_bf16_deepspeed.take_options(WHO, kwargs)
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        _check_training_args(training_args)
-        if self.pure_bf16_options["gradient_release"]:
-            # The Trainer's own values, checked before anything is set up (its DeepSpeed config takes them as "auto").
-            check_release_config(
-                WHO,
-                {
-                    "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-                    "gradient_clipping": training_args.max_grad_norm,
-                },
-                state_storage=self.pure_bf16_options["state_storage"],
-            )
-        super().__init__(*args, **kwargs)
-        # The process group TrainingArguments created is destroyed at exit if still alive (else a finished run could
-        # abort there, exit 134).
-        core.destroy_process_group_at_exit()
-        # The Trainer's DeepSpeed set-up drops what `optimizers=` gave: kept here, used by create_optimizer/scheduler.
-        self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
 
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        if self.is_deepspeed_enabled:
-            initialize = functools.partial(pure_bf16_deepspeed.initialize, **self.pure_bf16_options)
-            _internals.route_accelerate_deepspeed(self.accelerator, initialize)
-
-    def create_optimizer(self, model: Any = None) -> Any:
-        """The optimizer given in ``optimizers=``, else the Trainer's torch AdamW with its weight-decay groups; either
-        becomes the pure-bf16 optimizer when DeepSpeed is set up."""
-        if self.optimizer is None and self._given_optimizer is not None:
-            self.optimizer = self._given_optimizer
-        return super().create_optimizer(model)
-
-    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The scheduler given in ``optimizers=``, following the pure-bf16 optimizer; else the Trainer's own."""
-        if self.lr_scheduler is None and self._given_scheduler is not None:
-            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper around the optimizer
-            if getattr(self._given_scheduler, "optimizer", None) is not inner:
-                rebind_scheduler(self._given_scheduler, inner)
-            self.lr_scheduler = self._given_scheduler
-            return self.lr_scheduler
-        return super().create_scheduler(num_training_steps, optimizer)
+_made: dict[type, type] = {}
 
 
-def _check_training_args(args: Any) -> None:
+def pure_bf16_trainer(trainer_cls: type) -> type:
+    """``trainer_cls`` (a ``transformers.Trainer`` subclass, such as TRL's ``SFTTrainer`` or ``DPOTrainer``) in pure
+    bf16: a subclass of it with :class:`PureBF16TrainerMixin` first, named ``PureBF16<Name>``, taking the same
+    arguments as ``trainer_cls`` plus this package's keyword options (as :class:`PureBF16Trainer`)::
+
+        from trl import SFTConfig, SFTTrainer
+        trainer = pure_bf16_trainer(SFTTrainer)(model=model, args=SFTConfig(..., bf16=True,
+                                                deepspeed=deepspeed_config()), train_dataset=data)
+
+    The same class comes back for the same ``trainer_cls``; a class that already is pure bf16 comes back as it is.
+
+    Raises:
+        TypeError: ``trainer_cls`` is not a subclass of ``transformers.Trainer``.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(
+            f"`pure_bf16_trainer` takes a subclass of `transformers.Trainer` (such as `trl.SFTTrainer`), got"
+            f" {trainer_cls!r}."
+        )
+    if issubclass(trainer_cls, PureBF16TrainerMixin):
+        return trainer_cls
+    if trainer_cls not in _made:
+        name = f"PureBF16{trainer_cls.__name__}"
+        doc = f"``{trainer_cls.__module__}.{trainer_cls.__qualname__}`` in pure bf16 (:func:`pure_bf16_trainer`)."
+        _made[trainer_cls] = type(name, (PureBF16TrainerMixin, trainer_cls), {"__doc__": doc, "__qualname__": name})
+    return _made[trainer_cls]
+
+
+def _training_args_of(host_init: Any, args: tuple, kwargs: dict) -> Any:
+    """The ``args=`` a Trainer's ``__init__`` is called with, by its own signature (``transformers.Trainer`` takes it
+    second, TRL's ``DPOTrainer`` third)."""
+    try:
+        bound = inspect.signature(host_init).bind_partial(*args, **kwargs)
+    except TypeError:
+        return kwargs.get("args")
+    return bound.arguments.get("args")
+
+
+def _check_training_args(args: Any, who: str = WHO) -> None:
     if not isinstance(args, transformers.TrainingArguments):
         raise ValueError(
-            f"`{WHO}` needs `args=TrainingArguments(..., bf16=True, deepspeed=deepspeed_config())`; got"
+            f"`{who}` needs `args=TrainingArguments(..., bf16=True, deepspeed=deepspeed_config())`; got"
             f" {type(args).__name__}."
         )
     if args.deepspeed is None:
         raise ValueError(
-            f"`{WHO}` trains through DeepSpeed ZeRO-3, but `TrainingArguments.deepspeed` is not set. Pass"
+            f"`{who}` trains through DeepSpeed ZeRO-3, but `TrainingArguments.deepspeed` is not set. Pass"
             " `deepspeed=lightning_pure_bf16.integrations.transformers.deepspeed_config()` (or your own config)."
         )
     if not args.bf16:
-        raise ValueError(f"`{WHO}` keeps everything in bf16: pass `TrainingArguments(bf16=True)`.")
+        raise ValueError(f"`{who}` keeps everything in bf16: pass `TrainingArguments(bf16=True)`.")
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in ADAMW_OPTIMS:
         raise ValueError(
-            f"`{WHO}` trains with the pure-bf16 AdamW, but `TrainingArguments(optim={optim!r})` asks for another"
+            f"`{who}` trains with the pure-bf16 AdamW, but `TrainingArguments(optim={optim!r})` asks for another"
             f" optimizer. Use one of {list(ADAMW_OPTIMS)} (the default is 'adamw_torch')."
         )
 
 
-__all__ = ["ADAMW_OPTIMS", "PureBF16Trainer", "deepspeed_config"]
+__all__ = ["ADAMW_OPTIMS", "PureBF16Trainer", "PureBF16TrainerMixin", "deepspeed_config", "pure_bf16_trainer"]

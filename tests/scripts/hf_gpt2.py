@@ -214,6 +214,90 @@ def run_stock_trainer(rank: int, out: Path, opts: dict) -> dict:
     return {"error": error, "warnings": [str(w.message) for w in seen if "lightning_pure_bf16" in str(w.message)]}
 
 
+def word_tokenizer():
+    """A tokenizer of the tiny GPT-2's 64 tokens, made here (nothing downloaded): words ``w0`` .. ``w61``, then
+    ``<pad>`` and ``<eos>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(62)} | {"<pad>": 62, "<eos>": 63}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def text_dataset(kind: str, n: int = 32):
+    """The learnable sequences of :func:`dataset` as text: ``{"text"}`` rows for SFT; for DPO a prompt of 6 words,
+    the sequence's continuation chosen and a continuation with another step rejected."""
+    from datasets import Dataset
+
+    words = [" ".join(f"w{int(t) % 62}" for t in row["input_ids"]) for row in dataset(n)]
+    if kind == "sft":
+        return Dataset.from_dict({"text": words})
+    prompts = [" ".join(w.split()[:6]) for w in words]
+    chosen = [" " + " ".join(w.split()[6:12]) for w in words]
+    rejected = [" " + " ".join(f"w{(int(x[1:]) * 7 + 3) % 62}" for x in w.split()[6:12]) for w in words]
+    return Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
+
+
+def run_trl(rank: int, out: Path, opts: dict) -> dict:
+    """TRL's ``SFTTrainer`` or ``DPOTrainer`` made pure bf16 by ``pure_bf16_trainer``, with ZeRO-3 (DPO's reference
+    model a second tiny GPT-2, prepared by TRL itself)."""
+    import trl
+    from transformers import TrainerCallback
+
+    from lightning_pure_bf16.integrations.transformers import deepspeed_config, pure_bf16_trainer
+
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    kind = opts["trl"]
+    config_cls = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig}[kind]
+    args = config_cls(
+        output_dir=str(out / "run"),
+        use_cpu=True,
+        bf16=True,
+        deepspeed=deepspeed_config(
+            zero_optimization={"reduce_bucket_size": 4096, "stage3_param_persistence_threshold": 0}
+        ),
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        max_steps=opts["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **({"max_length": 16} if kind == "sft" else {"max_length": 16, "beta": 0.5}),
+    )
+    host = {"sft": trl.SFTTrainer, "dpo": trl.DPOTrainer}[kind]
+    extra = {"ref_model": tiny_gpt2()} if kind == "dpo" else {}
+    trainer = pure_bf16_trainer(host)(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=text_dataset(kind),
+        processing_class=word_tokenizer(),
+        callbacks=[Losses()],
+        seed=7,
+        **extra,
+    )
+    trainer.train()
+    result = {"losses": losses, "class": type(trainer).__name__, **engine_state(trainer.model_wrapped, rank)}
+    if kind == "dpo":
+        # The reference model, partitioned by TRL's own DeepSpeed set-up: bf16, and never trained.
+        ref, start = trainer.ref_model.module, tiny_gpt2()
+        result["ref_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})
+        result["ref_partitioned"] = all(hasattr(p, "ds_id") for p in ref.parameters())
+        after = gathered(ref)
+        result["ref_exact"] = all(torch.equal(after[k], v.to(torch.bfloat16)) for k, v in start.named_parameters())
+    return result
+
+
 def run_accelerate(rank: int, out: Path, opts: dict) -> dict:
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
@@ -254,7 +338,7 @@ def run_accelerate(rank: int, out: Path, opts: dict) -> dict:
 def worker(rank: int, out: Path, opts: dict) -> None:
     world = opts.get("world", 2)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    run = {"trainer": run_trainer, "accelerate": run_accelerate, "stock_trainer": run_stock_trainer}[
+    run = {"trainer": run_trainer, "accelerate": run_accelerate, "stock_trainer": run_stock_trainer, "trl": run_trl}[
         opts.get("front", "trainer")
     ]
     # Registered first, so it runs after every exit handler of the run: was the process group left alive at exit?
