@@ -212,6 +212,23 @@ def test_interrupted_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path)
         validate_checkpoint(staged)
 
 
+def test_a_rank_killed_mid_training_ends_every_rank_and_the_last_checkpoint_resumes(uninterrupted, tmp_path):
+    # Rank 1 gets SIGKILL after step 10's backward (the checkpoint of step 8 written, no save running): rank 0 is
+    # left in the step's collectives and must end too, not wait for the peer forever.
+    killed = tmp_path / "killed"
+    proc = fit(killed, check=False, steps=11, ckpt_every=8, kill_rank_at_step=[1, 10], **RUN)
+    assert proc.returncode != 0 and "Connection reset by peer" in proc.stderr
+    assert not list(killed.glob("rank*.pt"))  # neither rank finished
+    last = killed / "ckpts" / "epoch=0-step=8.ckpt"
+    validate_checkpoint(last)
+    resumed = tmp_path / "resumed"
+    fit(resumed, steps=11, ckpt_path=str(last), **RUN)
+    for a, b in zip(uninterrupted[1], load_ranks(resumed)):
+        assert b["global_step"] == 11 and b["losses"] == a["losses"][8:]
+        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
+            assert torch.equal(x[real], y[real])
+
+
 @pytest.fixture
 def small_file_system(tmp_path):
     """A tmpfs of a given size (bytes), made by the test; skipped where mounting is not allowed."""

@@ -40,6 +40,21 @@ class SaveAtStart(Callback):
         trainer.save_checkpoint(self.path)
 
 
+class KillRankAtStep(Callback):
+    """SIGKILL to one rank in the middle of training, after the backward of a step's batch, outside any save: no
+    clean-up, no exception, as the kernel's out-of-memory killer or a lost node ends it."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class CaptureOptimizerState(Callback):
     """What the optimizer holds at the end of training, before the strategy's teardown closes "mmap" state files."""
 
@@ -215,6 +230,7 @@ def main(out: Path, opts: dict) -> None:
         enable_checkpointing=bool(opts.get("ckpt_every")),
         callbacks=[capture]
         + ([SaveAtStart(opts["save_at_start"])] if opts.get("save_at_start") else [])
+        + ([KillRankAtStep(*opts["kill_rank_at_step"])] if opts.get("kill_rank_at_step") else [])
         + (
             [ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=opts["ckpt_every"], save_top_k=-1)]
             if opts.get("ckpt_every")
