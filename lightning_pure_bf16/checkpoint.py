@@ -11,15 +11,17 @@ previous checkpoint or the new one, complete, never a mix; once a save has retur
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_pure_bf16.repartition import ZeroCheckpoint
 
 from lightning_pure_bf16.durable import fsync_path, fsync_tree
 from lightning_pure_bf16.safe_load import (
@@ -28,6 +30,16 @@ from lightning_pure_bf16.safe_load import (
     check_state_files,
     load_state_file,
     verify_state_file,
+)
+from lightning_pure_bf16.shards import (
+    DEFAULT_MAX_SHARD_SIZE,
+    TensorSource,
+    check_new_directory,
+    map_keys,
+    parse_size,
+    read_config,
+    save_sharded,
+    write_safetensors,
 )
 
 MANIFEST = "pure_bf16_checkpoint.json"
@@ -230,8 +242,10 @@ def validate_checkpoint(
 
     Args:
         path: the checkpoint directory Lightning was given.
-        accept_fp32_masters: also accept a DeepSpeed ZeRO-3 checkpoint with fp32 master weights (bf16-mixed), which
-            has no manifest; it is returned with ``None`` for the manifest.
+        accept_fp32_masters: also accept a DeepSpeed ZeRO-3 checkpoint with fp32 master weights (bf16-mixed), or
+            any whole DeepSpeed ZeRO-3 save (its ``latest`` file written: the Hugging Face Trainer's and
+            Accelerate's), which have no manifest; it is returned with ``None`` for the manifest (the readers that
+            export and convert pass it; a Lightning resume does not).
         trust_checkpoint: skip the check that no state file needs code to be read (default: False). Only for a
             checkpoint whose writer you trust: reading such a file can run any command.
         verify_checksums: read every state file whole to check its checksums (default: True; the ranks of a resume
@@ -254,7 +268,14 @@ def validate_checkpoint(
             " LightningModule before `fit` instead of passing `ckpt_path`."
         )
     manifest_path = directory / MANIFEST
+    if not manifest_path.is_file() and (inner := _manifest_below_latest(directory)) is not None:
+        directory, manifest_path = inner.parent, inner  # a Hugging Face Trainer's checkpoint-N of this package's save
     if not manifest_path.is_file():
+        complete_deepspeed_save = (directory / "latest").is_file() and any(directory.glob("*/*_optim_states.pt"))
+        if accept_fp32_masters and complete_deepspeed_save:
+            # DeepSpeed's own save (the Hugging Face Trainer's, Accelerate's): `latest` is written after its files.
+            _check_files(state_files(directory, None), trust_checkpoint, verify_checksums)
+            return directory, None
         if _master_dtype(directory, trust_checkpoint) == torch.float32:
             if accept_fp32_masters:
                 _check_files(state_files(directory, None), trust_checkpoint, verify_checksums)
@@ -292,6 +313,17 @@ def validate_checkpoint(
     return directory, manifest
 
 
+def _manifest_below_latest(directory: Path) -> Path | None:
+    """The manifest of the save a directory's ``latest`` file names (the Hugging Face Trainer's ``checkpoint-N``
+    holds this package's save as ``global_stepN``), or None."""
+    try:
+        tag = (directory / "latest").read_text().strip()
+    except OSError:
+        return None
+    inner = directory / tag / MANIFEST
+    return inner if tag and "/" not in tag and inner.is_file() else None
+
+
 def _check_files(files: list[Path], trust: bool, verify_checksums: bool) -> None:
     if verify_checksums:
         for file in files:
@@ -309,35 +341,131 @@ def tag_directory(directory: Path, manifest: dict[str, Any] | None) -> Path:
     return directory / (manifest["tag"] if manifest else _tag(directory))
 
 
+def open_checkpoint(path: str | os.PathLike, *, trust_checkpoint: bool = False) -> ZeroCheckpoint:
+    """Validate a checkpoint (this package's, or DeepSpeed's ZeRO-3 with fp32 masters) and open its reader: the rank
+    files memory-mapped, nothing read until a tensor is asked for. ``trust_checkpoint``: as
+    :func:`validate_checkpoint`'s."""
+    from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint
+
+    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
+    try:
+        return ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
+    except RepartitionError as err:
+        raise CheckpointError(str(err)) from err
+
+
+def weight_sources(path: str | os.PathLike, *, trust_checkpoint: bool = False) -> list[TensorSource]:
+    """The checkpoint's weights to be read tensor by tensor (see :meth:`ZeroCheckpoint.weight_sources`); a
+    message where fp32 masters are rounded."""
+    reader = open_checkpoint(path, trust_checkpoint=trust_checkpoint)
+    sources = reader.weight_sources()
+    if reader.master_dtype == torch.float32:
+        trained = sum(1 for _ in reader.iter_params())
+        print(
+            f"'{path}' holds fp32 master weights (DeepSpeed mixed precision): converted {trained} tensors to bf16,"
+            " rounding to nearest."
+        )
+    return sources
+
+
 def consolidate_checkpoint(path: str | os.PathLike, *, trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """One bf16 state dict with the LightningModule's keys, from a checkpoint written at any world size.
 
-    The values equal the trained parameters bit for bit. A checkpoint written with fp32 master weights (DeepSpeed
-    mixed precision) is converted: its masters are rounded to nearest bf16, and a message says so.
-    ``trust_checkpoint``: as :func:`validate_checkpoint`'s.
+    The values equal the trained parameters bit for bit (frozen parameters and buffers as stored; tied parameters
+    are one tensor under both names). A checkpoint written with fp32 master weights (DeepSpeed mixed precision) is
+    converted: its masters are rounded to nearest bf16, and a message says so. This holds the whole model in memory;
+    :func:`export_pretrained` writes it to files one tensor at a time. ``trust_checkpoint``: as
+    :func:`validate_checkpoint`'s.
 
     Raises:
         CheckpointError: if the checkpoint is missing, incomplete, truncated, or needs code to be read.
     """
-    requested = Path(path)
-    directory, _ = validate_checkpoint(requested, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return assemble(weight_sources(path, trust_checkpoint=trust_checkpoint))
 
-    # DeepSpeed's reader prints progress and progress bars; the caller reports what matters.
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=_tag(directory))
-        except (OSError, ValueError, RuntimeError) as err:
-            raise CheckpointError(f"Could not read the checkpoint '{requested}': {err}") from err
-    converted = [k for k, v in state.items() if v.dtype == torch.float32]
-    trainable_fp32 = _master_dtype(directory, trust_checkpoint) == torch.float32
-    if trainable_fp32:
-        print(
-            f"'{requested}' holds fp32 master weights (DeepSpeed mixed precision): converted {len(converted)} tensors"
-            " to bf16, rounding to nearest."
-        )
-    # DeepSpeed's reader returns floating buffers as fp32; in a pure-bf16 module they are bf16, so this is exact.
-    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+
+def assemble(sources: list[TensorSource]) -> dict[str, torch.Tensor]:
+    """The tensors of ``sources``, read whole (a tied alias the same tensor as its original)."""
+    state: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    for source in sources:
+        key = id(source.read)  # a tied alias shares its original's reader
+        if key not in made:
+            made[key] = torch.cat([p.reshape(-1) for p in source.read()]).view(source.shape)
+        state[source.name] = made[key]
+    return state
+
+
+def export_pretrained(
+    path: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    config: str | os.PathLike | None = None,
+    key_map: dict[str, str] | None = None,
+    trust_checkpoint: bool = False,
+) -> dict[str, list[TensorSource]]:
+    """Write a checkpoint's weights (any world size) in Hugging Face's sharded safetensors layout, into the new
+    directory ``output``: ``model-0000K-of-0000N.safetensors`` of at most ``max_shard_size`` each (a tensor larger
+    than that alone in its shard) and ``model.safetensors.index.json``, or one ``model.safetensors``; ``config``'s
+    ``config.json`` copied beside them. transformers' ``from_pretrained`` reads the result.
+
+    Streamed: each tensor is read from the rank files' memory maps piece by piece (each rank's slice) and written
+    as it is read, bf16 throughout, so the host memory it takes is a piece of one tensor beyond the interpreter, at any
+    size of model or shard. The values are the trained parameters bit for bit (fp32 masters rounded to nearest, with
+    a message). ``key_map``: prefixes renamed, ``{"model.": ""}`` dropping a LightningModule's attribute name.
+    The directory appears complete or not at all.
+
+    Returns:
+        The files written and the tensors of each.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, incomplete, truncated, or needs code to be read.
+        FileExistsError: ``output`` exists and is not empty.
+        ValueError: an unreadable shard size, config or key map.
+    """
+    output = Path(output)
+    check_new_directory(output)
+    parse_size(max_shard_size)
+    config_bytes = read_config(config)
+    sources = map_keys(weight_sources(path, trust_checkpoint=trust_checkpoint), key_map)
+    return save_sharded(sources, output, max_shard_size=max_shard_size, config=config_bytes)
+
+
+def export_optimizer_state(
+    path: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    key_map: dict[str, str] | None = None,
+    trust_checkpoint: bool = False,
+) -> dict[str, list[TensorSource]]:
+    """The optimizer state of a checkpoint, streamed as :func:`export_pretrained` streams the weights: a
+    ``.safetensors`` file, or a new directory of ``optimizer-0000K-of-0000N.safetensors`` shards with their index.
+    Keys ``NAME.exp_avg``, ``NAME.exp_avg_sq``, ``NAME.kahan_comp`` (where the run kept one; bf16 as stored, 8-bit
+    codes decoded to float32) and ``NAME.step`` (int64)."""
+    output = Path(output)
+    reader = open_checkpoint(path, trust_checkpoint=trust_checkpoint)
+    sources = map_keys(reader.optimizer_sources(), key_map)
+    if output.suffix.lower() == ".safetensors":
+        write_file_atomically(sources, output)
+        return {output.name: sources}
+    check_new_directory(output)
+    return save_sharded(sources, output, max_shard_size=max_shard_size, prefix="optimizer")
+
+
+def write_file_atomically(sources: list[TensorSource], output: str | os.PathLike) -> Path:
+    """One safetensors file, streamed, written aside and moved into place complete (an existing file at ``output``
+    stays whole until then)."""
+    output = Path(output)
+    part = output.with_name(output.name + ".part")
+    try:
+        write_safetensors(part, sources)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    os.replace(part, output)
+    fsync_path(output.absolute().parent)
+    return output
 
 
 def consolidate_optimizer_state(
@@ -403,7 +531,11 @@ __all__ = [
     "UntrustedCheckpointError",
     "consolidate_checkpoint",
     "consolidate_optimizer_state",
+    "export_optimizer_state",
+    "export_pretrained",
     "export_universal_checkpoint",
+    "open_checkpoint",
+    "weight_sources",
     "save_state_dict",
     "state_files",
     "validate_checkpoint",

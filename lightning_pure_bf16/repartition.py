@@ -36,6 +36,7 @@ from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.durable import fsync_tree
 from lightning_pure_bf16.optim import quant
 from lightning_pure_bf16.safe_load import CheckpointError, UntrustedCheckpointError, load_state_file
+from lightning_pure_bf16.shards import TensorSource
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -117,6 +118,7 @@ class ZeroCheckpoint:
                 self.places[name] = _Place(sub_group, offset, numel, tuple(shape))
                 offset += math.ceil(numel / self.world_size)
         self._zero: dict[int, dict[str, Any]] = {}
+        self._models: dict[int, dict[str, Any]] = {}
         self._decoded: dict[tuple[int, int, str], torch.Tensor] = {}
         zero0 = self._zero_state(0)
         count = zero0.get("partition_count")
@@ -177,6 +179,85 @@ class ZeroCheckpoint:
                 decoded = quant.decode_residual(value, self._flat(rank, sub_group, "param"))
             self._decoded[cache_key] = decoded
         return self._decoded[cache_key]
+
+    def pieces(self, name: str, key: str = "param") -> Iterator[torch.Tensor]:
+        """Parameter ``name``'s ``key`` as each rank holds it: 1-D views into the memory-mapped files (no copy;
+        8-bit codes decoded), in order, the padding left off; together the parameter's elements."""
+        place = self.places[name]
+        part, left = math.ceil(place.numel / self.world_size), place.numel
+        for rank in range(self.world_size):
+            if left <= 0:
+                return
+            count = min(part, left)
+            yield self._flat(rank, place.sub_group, key).narrow(0, place.offset, count)
+            left -= count
+
+    def _model_state_of(self, rank: int) -> dict[str, Any]:
+        if rank == 0:
+            return self.model_state
+        if rank not in self._models:
+            self._models[rank] = _load(self._model_files[rank], self._trust)
+        return self._models[rank]
+
+    def weight_sources(self) -> list[TensorSource]:
+        """Every tensor of the model's state dict, as DeepSpeed's ``zero_to_fp32`` assembles it (buffers, frozen
+        parameters, trained parameters, tied aliases; its keys and order), to be read piece by piece: the trained
+        weights in bf16 (fp32 masters rounded to nearest, piece by piece), frozen parameters and buffers in their
+        stored dtype."""
+        state = self.model_state
+        sources: list[TensorSource] = []
+        module = state.get("module") or {}
+        for name in state.get("buffer_names") or []:
+            if name in module:
+                value = module[name]
+                sources.append(TensorSource(name, tuple(value.shape), value.dtype, lambda v=value: [v.reshape(-1)]))
+        for name, shape in (state.get("frozen_param_shapes") or {}).items():
+            shape = tuple(shape)
+            dtype = state["frozen_param_fragments"][name].dtype
+            sources.append(TensorSource(name, shape, dtype, lambda n=name, s=shape: self._frozen_pieces(n, s)))
+        for name in self.iter_params():
+            place = self.places[name]
+            sources.append(TensorSource(name, place.shape, torch.bfloat16, lambda n=name: self._bf16_pieces(n)))
+        by_name = {s.name: s for s in sources}
+        for alias, source in (state.get("shared_params") or {}).items():
+            if source in by_name and alias not in by_name:
+                original = by_name[source]
+                by_name[alias] = TensorSource(alias, original.shape, original.dtype, original.read)
+                sources.append(by_name[alias])
+        return sources
+
+    def _bf16_pieces(self, name: str) -> Iterator[torch.Tensor]:
+        for piece in self.pieces(name):
+            yield piece.to(torch.bfloat16)
+
+    def _frozen_pieces(self, name: str, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+        left = math.prod(shape)
+        for rank in range(self.world_size):
+            if left <= 0:
+                return
+            fragment = self._model_state_of(rank)["frozen_param_fragments"][name].reshape(-1)
+            count = min(fragment.numel(), left)
+            yield fragment.narrow(0, 0, count)
+            left -= count
+
+    def optimizer_sources(self) -> list[TensorSource]:
+        """Per trained parameter ``NAME``: ``NAME.exp_avg``, ``NAME.exp_avg_sq``, ``NAME.kahan_comp`` where kept
+        (bf16 as stored; 8-bit codes decoded to float32) and ``NAME.step`` (int64), to be read piece by piece."""
+        step = self.step()
+        keys = self.stored_keys()
+        sources = []
+        for name in self.iter_params():
+            place = self.places[name]
+            for key in keys:
+                stored = self._inner_state(0, place.sub_group)[key]
+                dtype = stored.dtype if stored.is_floating_point() else torch.float32
+                sources.append(
+                    TensorSource(f"{name}.{key}", place.shape, dtype, lambda n=name, k=key: self.pieces(n, k))
+                )
+            if step is not None:
+                value = torch.tensor([step], dtype=torch.int64)
+                sources.append(TensorSource(f"{name}.step", (), torch.int64, lambda v=value: [v]))
+        return sources
 
     def full(self, name: str, key: str = "param") -> torch.Tensor:
         """The whole of parameter ``name``'s ``key`` (``"param"``, ``"exp_avg"``, ``"exp_avg_sq"``, ``"kahan_comp"``),

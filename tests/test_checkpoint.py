@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -174,6 +175,70 @@ def test_consolidate_command(uninterrupted, tmp_path, suffix):
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
 
 
+def test_export_writes_hugging_face_shards_streamed_bit_for_bit(uninterrupted, tmp_path):
+    from safetensors import safe_open
+
+    expected = uninterrupted[1][0]["full_state"]
+    largest = max(v.numel() * 2 for v in expected.values())
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "mlp"}')
+    target = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "lightning_pure_bf16.consolidate", str(uninterrupted[0] / "final"), str(target)]
+    cmd += ["--max-shard-size", str(largest), "--config", str(config), "--key-map", "net.=layers."]
+    cmd += ["--optimizer-state", str(tmp_path / "optimizer")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    files = sorted({*index["weight_map"].values()})
+    assert len(files) > 1 and files == sorted(p.name for p in target.glob("model-*-of-*.safetensors"))
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    renamed = {("layers." + k[4:] if k.startswith("net.") else k): v for k, v in expected.items()}
+    assert set(index["weight_map"]) == set(renamed) and any(k.startswith("layers.") for k in renamed)
+    assert index["metadata"]["total_size"] == sum(v.numel() * 2 for v in expected.values())
+    for file in files:  # at most the bound, in safetensors' own reader's view of the header
+        with safe_open(target / file, "pt") as f:
+            assert sum(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys()) <= largest
+        for key, value in load_file(target / file).items():
+            assert index["weight_map"][key] == file and value.dtype == torch.bfloat16
+            assert torch.equal(value, renamed[key]), key
+    assert (target / "config.json").read_text() == config.read_text()
+    assert not list(tmp_path.glob(".*.part"))
+    # The optimizer state, streamed the same way: equal to the whole-tensor reader's.
+    states = consolidate_optimizer_state(uninterrupted[0] / "final")
+    opt = {}
+    for file in (tmp_path / "optimizer").glob("optimizer*.safetensors"):
+        opt.update(load_file(file))
+    for name, entry in states.items():
+        for key, value in entry.items():
+            mapped = ("layers." + name[4:] if name.startswith("net.") else name) + f".{key}"
+            assert torch.equal(opt[mapped].reshape(value.shape), value), mapped
+
+
+def test_export_refuses_bad_arguments_before_writing(uninterrupted, tmp_path):
+    from lightning_pure_bf16.consolidate import main as consolidate_main
+
+    source = str(uninterrupted[0] / "final")
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("saved")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    cases = {
+        "exists and is not an empty directory": [str(kept)],
+        "not a size": [str(tmp_path / "a"), "--max-shard-size", "lots"],
+        "give OLD=NEW": [str(tmp_path / "b"), "--key-map", "model."],
+        "not a model config": [str(tmp_path / "c"), "--config", str(tmp_path / "bad.json")],
+        "goes with a directory output": [str(tmp_path / "w.safetensors"), "--config", str(tmp_path / "bad.json")],
+    }
+    for message, args in cases.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightning_pure_bf16.consolidate", source, *args], capture_output=True, text=True
+        )
+        assert proc.returncode == 1 and message in proc.stderr, (args, proc.stderr)
+    assert consolidate_main([source, str(tmp_path / "d"), "--key-map", "net.="]) == 0  # prefixes dropped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "d", "kept"]
+    assert (kept / "mine.txt").read_text() == "saved" and len(list(kept.iterdir())) == 1
+
+
 def test_consolidate_command_refuses_unknown_extension(uninterrupted, tmp_path):
     cmd = [
         sys.executable,
@@ -217,7 +282,10 @@ def test_a_rank_killed_mid_training_ends_every_rank_and_the_last_checkpoint_resu
     # left in the step's collectives and must end too, not wait for the peer forever.
     killed = tmp_path / "killed"
     proc = fit(killed, check=False, steps=11, ckpt_every=8, kill_rank_at_step=[1, 10], **RUN)
-    assert proc.returncode != 0 and "Connection reset by peer" in proc.stderr
+    # gloo names the lost peer in one of two ways, by when the socket closed.
+    assert proc.returncode != 0 and any(
+        m in proc.stderr for m in ("Connection reset by peer", "remote worker crashing")
+    )
     assert not list(killed.glob("rank*.pt"))  # neither rank finished
     last = killed / "ckpts" / "epoch=0-step=8.ckpt"
     validate_checkpoint(last)

@@ -142,6 +142,22 @@ def test_hf_save_model_exports_the_weights_from_pretrained_loads(trainer_runs):
         assert torch.equal(exported[name], value), name  # the bf16 weights themselves: no rounding on export
 
 
+def test_the_trainers_deepspeed_checkpoint_exports_to_shards_from_pretrained_loads(trainer_runs, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from lightning_pure_bf16.consolidate import main as consolidate_main
+
+    whole, _, _, out = trainer_runs
+    target = tmp_path / "pretrained"
+    args = [str(out / "run" / "checkpoint-6"), str(target), "--max-shard-size", "16KB"]
+    assert consolidate_main([*args, "--config", str(out / "export" / "config.json")]) == 0
+    assert len(list(target.glob("model-*.safetensors"))) > 1 and (target / "model.safetensors.index.json").is_file()
+    model = GPT2LMHeadModel.from_pretrained(target, dtype=torch.bfloat16)
+    loaded = model.state_dict()
+    for name, value in whole[0]["live"].items():
+        assert torch.equal(loaded[name], value), name  # step 6's trained weights, bit for bit
+
+
 def test_accelerate_trains_at_6_bytes_per_param_with_8_bit_moments_and_resumes_bit_for_bit(accelerate_runs):
     whole, resumed = accelerate_runs
     for a, b in zip(whole, resumed):
