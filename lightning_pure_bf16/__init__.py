@@ -10,7 +10,12 @@ with PyTorch FSDP2.
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pure_bf16.checkpoint import CheckpointError, consolidate_checkpoint, consolidate_optimizer_state
+from lightning_pure_bf16.checkpoint import (
+    CheckpointError,
+    consolidate_checkpoint,
+    consolidate_optimizer_state,
+    export_pretrained,
+)
 from lightning_pure_bf16.data import resume_fabric_dataloader
 from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
 from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Strategy
@@ -18,6 +23,7 @@ from lightning_pure_bf16.integrations import host_watch
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.precision import PureBF16FabricPrecision, PureBF16Precision
+from lightning_pure_bf16.pretrained import PretrainedError, load_pretrained
 from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
 
 __version__ = "0.1.0"
@@ -41,6 +47,9 @@ __all__ = [
     "StateStorageError",
     "__version__",
     "consolidate_checkpoint",
+    "export_pretrained",
+    "load_pretrained",
+    "PretrainedError",
     "consolidate_optimizer_state",
     "resume_fabric_dataloader",
 ]

@@ -37,3 +37,15 @@ def data(n: int = 256) -> TensorDataset:
     x = torch.randn(n, 16, generator=g)
     y = (x[:, :1] * 0.5 + torch.sin(x[:, 1:2])).float()
     return TensorDataset(x, y)
+
+
+def partitions(module: nn.Module) -> dict[str, tuple[torch.Tensor | None, int]]:
+    """Each parameter's local ZeRO-3 partition as it is now (None where it is not partitioned) and its length."""
+    out = {}
+    for name, param in module.named_parameters():
+        partitioned = hasattr(param, "ds_id")
+        out[name] = (
+            param.ds_tensor.detach().clone() if partitioned else None,
+            int(param.partition_numel()) if partitioned else param.numel(),
+        )
+    return out

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _models import MLP, data, param_groups
+from _models import MLP, data, param_groups, partitions
 from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader
@@ -125,7 +125,14 @@ def main(out: Path, opts: dict) -> None:
     )
     fabric.launch()
     fabric.seed_everything(1234)
-    model = MLP()
+    loaded = None
+    if opts.get("pretrained"):
+        with fabric.init_module():  # partitioned as it is built
+            model = MLP()
+        lightning_pure_bf16.load_pretrained(model, opts["pretrained"], key_map=opts.get("key_map"))
+        loaded = partitions(model)
+    else:
+        model = MLP()
     groups = param_groups(model)
     kind = opts.get("optimizer", "adamw")
     optimizer = torch.optim.AdamW(groups, lr=1e-2) if kind == "adamw" else torch.optim.SGD(groups, lr=1e-2)
@@ -180,6 +187,7 @@ def main(out: Path, opts: dict) -> None:
         "ds_global_norm": float(engine.get_global_grad_norm() or 0.0),
         "step": state["step"],
         "first_inputs": first_inputs,
+        "loaded_partitions": loaded,
     }
     torch.save(result, out / f"rank{fabric.global_rank}.pt")
 

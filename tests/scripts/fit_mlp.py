@@ -15,10 +15,10 @@ import torch
 
 try:  # run as a script (this folder on the path), or imported as tests.scripts.fit_mlp by a test
     from _models import MLP as Layers
-    from _models import data, param_groups
+    from _models import data, param_groups, partitions
 except ImportError:
     from tests.scripts._models import MLP as Layers
-    from tests.scripts._models import data, param_groups
+    from tests.scripts._models import data, param_groups, partitions
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -130,14 +130,31 @@ class MLP(LightningModule):
     def __init__(self, opts: dict) -> None:
         super().__init__()
         self.opts = opts
+        self.loaded_partitions = None
+        if opts.get("pretrained"):  # built, partitioned, and loaded in configure_model
+            self.net = None
+            return
         self.net = Layers(opts.get("hidden", 64), opts.get("depth", 1), opts.get("bias", True)).net
         if opts.get("freeze_first"):
             self.net[0].requires_grad_(False)
         for layer in [m for m in self.net if isinstance(m, nn.Linear)][: opts.get("freeze_layers", 0)]:
             layer.requires_grad_(False)
+        self._lists()
+
+    def _lists(self) -> None:
         self.lrs: list[float] = []
         self.losses: list[float] = []
         self.first_inputs: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        self._lists()
+        self.net = Layers(self.opts.get("hidden", 64), self.opts.get("depth", 1), self.opts.get("bias", True)).net
+        self.pretrained_load = lightning_pure_bf16.load_pretrained(
+            self, self.opts["pretrained"], key_map=self.opts.get("key_map")
+        )
+        self.loaded_partitions = partitions(self)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -297,6 +314,7 @@ def main(out: Path, opts: dict) -> None:
         "global_step": trainer.global_step,
         "precision": type(strat.precision_plugin).__name__,
         "frozen_requires_grad": [p.requires_grad for p in model.net[0].parameters()],
+        "loaded_partitions": model.loaded_partitions,
     }
     result["zero_buffers"] = capture.captured["zero_buffers"]
     result["cpu_loop_ready_at_first_step"] = capture.captured.get("cpu_loop_ready_at_first_step")

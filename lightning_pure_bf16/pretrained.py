@@ -1,0 +1,276 @@
+"""Pretrained weights into a module whose parameters ZeRO-3 has already partitioned, without gathering any.
+
+A module built under ZeRO-3's partitioned init (``configure_model`` under the Trainer strategy, ``fabric.init_module()``
+under the Fabric one, ``deepspeed.zero.Init``) holds on each rank only its partition of every parameter: the flat
+elements ``[rank * n, (rank + 1) * n)`` of the parameter, in ``param.ds_tensor`` (the last rank's padded with zeros).
+:func:`load_pretrained` fills those partitions straight from a Hugging Face checkpoint (sharded safetensors with
+``model.safetensors.index.json``, one ``model.safetensors``, or any ``.safetensors`` file): safetensors reads a slice
+of a tensor from its memory map without reading the rest, so each rank reads only its own elements, and the rise of
+its memory is its partition plus one row of the largest tensor. Every name, shape and dtype is checked against the
+module before any value is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+INDEX = "model.safetensors.index.json"
+_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_OTHERS = {
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class PretrainedError(ValueError):
+    """A checkpoint that does not fit the module (names, shapes, dtypes); raised before anything is written."""
+
+
+@dataclass
+class PretrainedLoad:
+    """What :func:`load_pretrained` did: the module's names it found no tensor for, the file's names the module has
+    no place for (both empty unless ``strict=False``), and the names converted to the module's dtype (from float32
+    or float16, rounded to nearest)."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    converted_keys: list[str] = field(default_factory=list)
+
+
+def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
+    """Each tensor's file in a Hugging Face checkpoint: a directory with ``model.safetensors.index.json`` (the
+    sharded layout) or one ``model.safetensors``, or a ``.safetensors`` file, or an index file itself."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / INDEX if path.is_dir() else path if path.name.endswith(".index.json") else None
+    if index is not None and index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise PretrainedError(f"'{index}' is not a safetensors index (no readable 'weight_map'): {err}.") from err
+        files = {name: index.parent / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise PretrainedError(f"'{file}', named by '{index}', is missing.")
+        return files
+    single = path / "model.safetensors" if path.is_dir() else path
+    if not single.is_file() or single.suffix != ".safetensors":
+        raise PretrainedError(
+            f"No safetensors checkpoint at '{path}': give a directory holding {INDEX} (with its shards) or"
+            " model.safetensors, or a .safetensors file. A .bin or .pt file: convert it with safetensors first (its"
+            " pickle can run code)."
+        )
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _module_targets(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name of the module's state (tied parameters under each of their names), to the tensor behind it."""
+    targets: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        targets[name] = param
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for buf_name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and buf_name not in mod._non_persistent_buffers_set:
+                targets[f"{mod_name}.{buf_name}" if mod_name else buf_name] = buf
+    return targets
+
+
+def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.ds_shape) if hasattr(tensor, "ds_id") else tuple(tensor.shape)
+
+
+def _rename(name: str, key_map: Mapping[str, str] | None) -> str:
+    for old, new in (key_map or {}).items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _flat_range(sl, shape: tuple[int, ...], start: int, stop: int, prefix: tuple = ()) -> Iterator[torch.Tensor]:
+    """Elements ``[start, stop)`` of the flattened tensor ``sl[prefix]`` of ``shape``, as 1-D pieces: whole rows where
+    the range covers them, the two ends' partial rows read by recursion, so nothing outside the range is read."""
+    if start >= stop:
+        return
+    if len(shape) == 1:
+        yield sl[(*prefix, slice(start, stop))].reshape(-1)
+        return
+    row = math.prod(shape[1:])
+    first, last = start // row, (stop - 1) // row
+    if first == last:
+        yield from _flat_range(sl, shape[1:], start - first * row, stop - first * row, (*prefix, first))
+        return
+    if start % row:
+        yield from _flat_range(sl, shape[1:], start % row, row, (*prefix, first))
+        first += 1
+    whole_end = last + 1 if stop % row == 0 else last
+    if whole_end > first:
+        yield sl[(*prefix, slice(first, whole_end))].reshape(-1)
+    if stop % row:
+        yield from _flat_range(sl, shape[1:], 0, stop % row, (*prefix, last))
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def load_pretrained(
+    module: nn.Module,
+    path: str | os.PathLike,
+    *,
+    key_map: Mapping[str, str] | None = None,
+    strict: bool = True,
+) -> PretrainedLoad:
+    """Load a Hugging Face checkpoint's weights into ``module``, each rank reading only its own partitions.
+
+    Call it on the module ZeRO-3 partitioned at construction: in a LightningModule's ``configure_model`` under
+    ``DeepSpeedPureBF16Strategy``, or after building the model in ``fabric.init_module()`` under the Fabric strategy,
+    before ``fabric.setup`` (the engine then builds its flat partitions and optimizer state from these values). A
+    tensor ZeRO-3 has not partitioned (a module built outside the partitioned init, a buffer) is loaded whole.
+
+    Args:
+        module: the model, or the LightningModule holding it.
+        path: a directory with ``model.safetensors.index.json`` and its shards, or with ``model.safetensors``; or a
+            ``.safetensors`` file.
+        key_map: prefixes of the file's names renamed to the module's, the first that matches; ``{"": "model."}``
+            for a LightningModule that keeps the model as ``self.model``, ``{"model.": "model.model."}`` and so on.
+        strict: refuse a checkpoint whose names and the module's differ (default). With False, the module's
+            parameters the file lacks keep their values and the file's extra names are skipped; both are returned.
+
+    Returns:
+        The missing, unexpected and converted names.
+
+    Raises:
+        PretrainedError: before any value is written, naming what does not fit: missing or unexpected names (with
+            ``strict``), a shape that differs, a dtype that cannot be converted (an integer tensor into a float
+            parameter, or the reverse); or a parameter gathered at the time (load outside ``GatheredParameters``).
+    """
+    from safetensors import safe_open
+
+    files = checkpoint_files(path)
+    targets = _module_targets(module)
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in targets.items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    renamed: dict[str, str] = {}
+    for name in files:
+        new = _rename(name, key_map)
+        if new in renamed:
+            raise PretrainedError(f"The key map {dict(key_map or {})} gives {renamed[new]!r} and {name!r} one name.")
+        renamed[new] = name
+    unexpected = sorted(old for new, old in renamed.items() if new not in targets)  # as the file names them
+    # A tied parameter is found under any of its names (checkpoints keep one, such as GPT-2's wte but not lm_head).
+    plan: dict[int, tuple[str, str]] = {}
+    for name, tensor in targets.items():
+        if id(tensor) not in plan and name in renamed:
+            plan[id(tensor)] = (name, renamed[name])
+    missing = sorted(n for n, t in targets.items() if id(t) not in plan)
+    if strict and (missing or unexpected):
+        ours, theirs = _listed(sorted(targets)[:3], 3), _listed(sorted(renamed)[:3], 3)
+        hint = (
+            f" The file's names start {theirs} and the module's {ours}: give key_map={{OLD_PREFIX: NEW_PREFIX}} to"
+            " rename, or strict=False to load what matches."
+        )
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} of the module's names are not in the checkpoint: {_listed(missing)}.")
+        if unexpected:
+            parts.append(f"{len(unexpected)} of the checkpoint's names are not in the module: {_listed(unexpected)}.")
+        raise PretrainedError(f"'{path}' does not fit the module. " + " ".join(parts) + hint)
+
+    # Every shape and dtype checked before anything is written.
+    handles: dict[Path, object] = {}
+    converted: list[str] = []
+    work = []
+    try:
+        for name, file_name in plan.values():
+            file = files[file_name]
+            if file not in handles:
+                handles[file] = safe_open(file, framework="pt").__enter__()
+            sl = handles[file].get_slice(file_name)
+            shape, kind = tuple(sl.get_shape()), sl.get_dtype()
+            tensor = targets[name]
+            if shape != _full_shape(tensor):
+                raise PretrainedError(
+                    f"'{file_name}' in '{file}' has shape {list(shape)}; the module's {name!r} is"
+                    f" {list(_full_shape(tensor))}. Is it the same model's checkpoint?"
+                )
+            source = _FLOATS.get(kind) or _OTHERS.get(kind)
+            if source is None or source.is_floating_point != tensor.dtype.is_floating_point:
+                raise PretrainedError(
+                    f"'{file_name}' in '{file}' is {kind}; the module's {name!r} is {tensor.dtype}, which it cannot"
+                    " be converted to."
+                )
+            if source != tensor.dtype:
+                converted.append(name)
+            status = getattr(tensor, "ds_status", None)
+            if status is not None and status.name != "NOT_AVAILABLE":
+                raise PretrainedError(
+                    f"{name!r} is gathered ({status.name}): call load_pretrained on the module as it was built,"
+                    " before the engine is set up (fabric.setup, the Trainer's fit) and outside"
+                    " deepspeed.zero.GatheredParameters."
+                )
+            if not hasattr(tensor, "ds_id") and tensor.is_meta:
+                raise PretrainedError(
+                    f"{name!r} is on the meta device (no storage to load into): build the module in"
+                    " fabric.init_module() or configure_model under the pure-bf16 strategy, which partitions it."
+                )
+            work.append((tensor, sl, shape))
+        with torch.no_grad():
+            for tensor, sl, shape in work:
+                _write(tensor, sl, shape)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    if converted and _is_first_rank():
+        print(
+            f"load_pretrained: {len(converted)} tensors of '{path}' converted to the module's dtype (rounded to"
+            f" nearest): {_listed(converted, 4)}."
+        )
+    return PretrainedLoad(missing, unexpected, converted)
+
+
+def _write(tensor: torch.Tensor, sl, shape: tuple[int, ...]) -> None:
+    if not hasattr(tensor, "ds_id"):  # not partitioned: the whole tensor
+        if not shape:
+            tensor.copy_(sl[()])
+            return
+        tensor.copy_(torch.cat([p.to(tensor.dtype) for p in _flat_range(sl, shape, 0, math.prod(shape))]).view(shape))
+        return
+    import torch.distributed as dist
+
+    part = tensor.ds_tensor
+    n = int(tensor.partition_numel())
+    rank = dist.get_rank(group=tensor.ds_process_group) if dist.is_initialized() else 0
+    start, stop = rank * n, min((rank + 1) * n, int(tensor.ds_numel))
+    offset = 0
+    if not shape:  # a partitioned scalar: rank 0 holds it
+        if start < stop:
+            part.narrow(0, 0, 1).copy_(sl[()].reshape(1))
+        return
+    for piece in _flat_range(sl, shape, start, stop) if start < stop else ():
+        part.narrow(0, offset, piece.numel()).copy_(piece.to(part.dtype))
+        offset += piece.numel()
+
+
+def _is_first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+__all__ = ["PretrainedError", "PretrainedLoad", "checkpoint_files", "load_pretrained"]
