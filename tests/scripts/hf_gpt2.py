@@ -128,7 +128,21 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    model = lora_gpt2() if opts.get("lora") else tiny_gpt2()
+    loaded = None
+    if opts.get("from_pretrained"):
+        # After the TrainingArguments, whose DeepSpeed config tells transformers to build under zero.Init.
+        import deepspeed
+        from _models import partitions
+        from transformers import GPT2LMHeadModel
+
+        # On CUDA the arguments' Accelerate state starts DeepSpeed's communication; with use_cpu it does not, and
+        # zero.Init would count one rank.
+        deepspeed.init_distributed(dist_backend="gloo")
+
+        model = GPT2LMHeadModel.from_pretrained(opts["from_pretrained"], dtype=torch.bfloat16)
+        loaded = partitions(model)
+    else:
+        model = lora_gpt2() if opts.get("lora") else tiny_gpt2()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizers = (None, None)
     if opts.get("given_optimizer"):
@@ -150,7 +164,7 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=opts.get("resume"))
-    result = {"losses": losses, **engine_state(trainer.model_wrapped, rank)}
+    result = {"losses": losses, **engine_state(trainer.model_wrapped, rank), "loaded_partitions": loaded}
     if opts.get("lora"):
         result["lora"] = lora_report(trainer.model_wrapped.module, before, result["memory_report"], out, rank)
         trainer.save_model(str(out / "adapter"))  # PEFT's save_pretrained: the adapters only
