@@ -322,6 +322,28 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "the function it reads when it runs, replaced for that time (integrations)",
     ),
     PrivateName("torch.cpu", "get_capabilities", "function", "precision.py: does this CPU have bf16 dot products"),
+    # transformers (the Trainer integration, optional): how save_pretrained names what it writes
+    PrivateName(
+        "transformers.modeling_utils",
+        "remove_tied_weights_from_state_dict",
+        "function",
+        "the names save_model writes from the partitions: tied weights once, under the name the model expects",
+        ("state_dict", "model"),
+    ),
+    PrivateName(
+        "transformers.core_model_loading",
+        "revert_weight_conversion",
+        "function",
+        "a model whose saved names or tensors differ from its own is saved by the Trainer's gathering path",
+        ("model", "state_dict"),
+    ),
+    PrivateName(
+        "transformers.trainer:Trainer",
+        "_save",
+        "method",
+        "the Trainer's config, tokenizer and arguments files, written beside the weights save_model streams",
+        ("self", "output_dir", "state_dict"),
+    ),
 )
 
 # Upstream code this package copies or replaces, with the fingerprint (:func:`source_fingerprint`) of each tested
@@ -996,6 +1018,30 @@ def route_accelerate_deepspeed(accelerator: Any, initialize: Any) -> None:
     accelerator._prepare_deepspeed = prepare_deepspeed
 
 
+def transformers_saved_names(model: torch.nn.Module, shapes: dict[str, torch.Size]) -> list[str] | None:
+    """The names ``save_pretrained`` would write for a model whose state has these names and shapes: tied weights
+    once, under the name the model expects on load. None where it would also rename or reshape tensors (a model with
+    weight conversions), which needs whole tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    kept = remove_tied_weights_from_state_dict(meta, model)
+    try:
+        reverted = revert_weight_conversion(model, dict(kept))
+    except Exception:  # a conversion that needs values cannot run on meta tensors: whole tensors it is
+        return None
+    if list(reverted) != list(kept) or any(reverted[k].shape != kept[k].shape for k in kept):
+        return None
+    return list(kept)
+
+
+def transformers_save_beside_weights(trainer: Any, output_dir: str) -> None:
+    """The Trainer's own ``_save`` without weights: ``config.json``, the generation config, the tokenizer or
+    processor, ``training_args.bin`` (and an empty weights file, which the weights written next replace)."""
+    trainer._save(output_dir, state_dict={})
+
+
 def lightning_remove_module_hooks(model: torch.nn.Module) -> None:
     """Lightning's own clean-up of DeepSpeed's module hooks before an inference engine is built."""
     from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -1186,6 +1232,8 @@ __all__ = [
     "set_deepspeed_accelerator",
     "set_fabric_dataloader",
     "source_fingerprint",
+    "transformers_save_beside_weights",
+    "transformers_saved_names",
     "use_cpu_deepspeed_accelerator_if_no_cuda",
     "view_sub_group_gradients",
     "wrapped_sampler",

@@ -1,4 +1,4 @@
-"""Pretrained weights into a module whose parameters ZeRO-3 has already partitioned, without gathering any.
+"""Hugging Face checkpoints into and out of a module whose parameters ZeRO-3 has partitioned, never gathering the model.
 
 A module built under ZeRO-3's partitioned init (``configure_model`` under the Trainer strategy, ``fabric.init_module()``
 under the Fabric one, ``deepspeed.zero.Init``) holds on each rank only its partition of every parameter: the flat
@@ -8,19 +8,33 @@ elements ``[rank * n, (rank + 1) * n)`` of the parameter, in ``param.ds_tensor``
 of a tensor from its memory map without reading the rest, so each rank reads only its own elements, and the rise of
 its memory is its partition plus one row of the largest tensor. Every name, shape and dtype is checked against the
 module before any value is written.
+
+:func:`save_pretrained` is the way back out of a live run: the same layout written from the partitions, one parameter
+gathered onto the first rank at a time and streamed into its shard, so no rank ever holds the model.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from lightning_pure_bf16.shards import (
+    DEFAULT_MAX_SHARD_SIZE,
+    TensorSource,
+    map_keys,
+    plan_shards,
+    read_config,
+    save_sharded,
+)
 
 INDEX = "model.safetensors.index.json"
 _FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
@@ -273,4 +287,150 @@ def _is_first_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-__all__ = ["PretrainedError", "PretrainedLoad", "checkpoint_files", "load_pretrained"]
+# A partition gathered on a GPU is copied to the host in pieces of this many bytes, so the host holds one at a time.
+_HOST_PIECE_BYTES = 64 * 2**20
+
+
+def _gathered_pieces(tensor: torch.Tensor, numel: int) -> Iterator[torch.Tensor]:
+    """The elements of a partitioned parameter in order, on the first rank of its group: every rank's partition sent
+    to it (``dist.gather``, a collective every rank of the group enters for the same tensor in the same order), then
+    yielded rank by rank without the padding, in host pieces of at most ``_HOST_PIECE_BYTES``. Other ranks yield
+    nothing."""
+    import torch.distributed as dist
+
+    part = tensor.ds_tensor.detach().reshape(-1)
+    group = tensor.ds_process_group
+    if not dist.is_initialized():
+        yield part[:numel].cpu()
+        return
+    first = dist.get_rank(group=group) == 0
+    received = [torch.empty_like(part) for _ in range(dist.get_world_size(group=group))] if first else None
+    dist.gather(part, received, dst=dist.get_global_rank(group, 0), group=group)
+    if not first:
+        return
+    left = numel
+    step = max(1, _HOST_PIECE_BYTES // part.element_size())
+    for piece in received:
+        take = min(left, piece.numel())
+        for start in range(0, take, step):
+            yield piece[start : min(take, start + step)].cpu()
+        left -= take
+
+
+def partition_sources(module: nn.Module, names: Sequence[str] | None = None) -> list[TensorSource]:
+    """Every tensor of ``module``'s state as a :class:`TensorSource` known by its full shape: a partitioned parameter
+    read by gathering its partitions onto the first rank (a collective: every rank reads the sources in the same
+    order), anything else from the first rank's own copy. Tied parameters come once, under their first name;
+    ``names`` keeps only those names, in that order."""
+    targets = _module_targets(module)
+    if names is None:
+        seen: set[int] = set()
+        names = [n for n, t in targets.items() if not (id(t) in seen or seen.add(id(t)))]
+    else:
+        unknown = [n for n in names if n not in targets]
+        if unknown:
+            raise PretrainedError(f"{len(unknown)} names to save are not in the module: {_listed(unknown)}.")
+    sources = []
+    for name in names:
+        tensor = targets[name]
+        if tensor.is_meta and not hasattr(tensor, "ds_id"):
+            raise PretrainedError(f"{name!r} is on the meta device: it holds no values to save.")
+        shape = _full_shape(tensor)
+        if hasattr(tensor, "ds_id"):
+            read = functools.partial(_gathered_pieces, tensor, math.prod(shape))
+        else:
+            read = functools.partial(lambda t: iter([t.detach().reshape(-1).cpu()] if _is_first_rank() else []), tensor)
+        sources.append(TensorSource(name, shape, tensor.dtype, read))
+    return sources
+
+
+def save_pretrained(
+    module: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    key_map: Mapping[str, str] | None = None,
+    names: Sequence[str] | None = None,
+    config: str | os.PathLike | bytes | None = None,
+    on_staged: Callable[[], None] | None = None,
+) -> dict[str, list[str]]:
+    """Write ``module``'s weights from ZeRO-3's partitions in Hugging Face's layout (the inverse of
+    :func:`load_pretrained`), without gathering the model anywhere: one parameter at a time is gathered onto the first
+    rank, which streams it into the shard it belongs to and drops it. Call it on every rank, at the same point.
+
+    The first rank writes ``model-0000K-of-0000N.safetensors`` and ``model.safetensors.index.json`` (one
+    ``model.safetensors`` when it fits), staged and moved into place complete. A new directory appears whole; into one
+    that holds other files (a tokenizer, a ``config.json``), the weight files replace the previous save's. The rise of
+    the first rank's memory is the largest parameter (plus a 64 MB host piece of it on a GPU); the other ranks' is
+    nothing.
+
+    Args:
+        module: the model (or the LightningModule holding it), partitioned by ZeRO-3 or not.
+        directory: where the files go.
+        max_shard_size: the largest shard, as transformers reads it (default: 5GB).
+        key_map: prefixes of the module's names renamed in the files, the first that matches: ``{"model.": ""}``
+            drops a LightningModule's attribute name.
+        names: the module's names to write (default: every parameter and persistent buffer, tied ones once).
+        config: a ``config.json`` (its path, its directory or its bytes) put beside the weights.
+        on_staged: called on the first rank once every weight file is on the disk, before they are moved into place
+            (a host writes its own files into ``directory`` then).
+
+    Returns:
+        Every file written and the names in it.
+
+    Raises:
+        PretrainedError: a name to save that the module does not have, a tensor with no storage; ValueError: a bad
+            shard size or key map, a config that is not a JSON object; OSError (FileExistsError, PermissionError):
+            ``directory`` is a file, not writable, or its disk has less room than the weights. All before anything
+            is gathered or written, on every rank.
+    """
+    import torch.distributed as dist
+
+    sources = map_keys(partition_sources(module, names), key_map)
+    config_bytes = config if isinstance(config, bytes) else read_config(config)
+    plan = plan_shards(sources, max_shard_size)
+    directory = Path(directory)
+    problem: tuple[type[OSError], str] | None = None
+    if _is_first_rank():
+        total = sum(s.nbytes for s in sources)
+        probe = next((p for p in (directory, *directory.absolute().parents) if p.exists()), Path("/"))
+        if directory.exists() and not directory.is_dir():
+            problem = (FileExistsError, f"'{directory}' is a file; save the weights into a directory.")
+        elif not os.access(probe, os.W_OK):
+            problem = (PermissionError, f"'{probe}' is not writable; save the weights elsewhere.")
+        elif shutil.disk_usage(probe).free < total:
+            free = shutil.disk_usage(probe).free
+            problem = (OSError, f"'{probe}' has {free:,} bytes free; the weights take {total:,}. Free room or save elsewhere.")
+    if dist.is_initialized():  # every rank stops together, before anything is gathered or written
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem is not None:
+        raise problem[0](problem[1])
+    if _is_first_rank():
+        save_sharded(
+            sources,
+            directory,
+            max_shard_size=max_shard_size,
+            config=config_bytes,
+            replace_weights=True,
+            on_staged=on_staged,
+        )
+    else:
+        for members in plan.values():
+            for source in members:
+                for _ in source.read():  # this rank's partition sent to the first rank
+                    pass
+    if dist.is_initialized():
+        dist.barrier()
+    return {file: [s.name for s in members] for file, members in plan.items()}
+
+
+__all__ = [
+    "PretrainedError",
+    "PretrainedLoad",
+    "checkpoint_files",
+    "load_pretrained",
+    "partition_sources",
+    "save_pretrained",
+]

@@ -199,16 +199,26 @@ def save_sharded(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     config: bytes | None = None,
     prefix: str = "model",
+    replace_weights: bool = False,
+    on_staged: Callable[[], None] | None = None,
 ) -> dict[str, list[TensorSource]]:
     """Write ``sources`` in Hugging Face's layout into the new directory ``output``: staged beside it, fsynced, and
-    moved into place complete. Returns the files and their tensors."""
+    moved into place complete. With ``replace_weights``, ``output`` may also be a directory holding other files
+    (a ``config.json``, a tokenizer): the weight files are staged inside it and replace the previous save's. Returns
+    the files and their tensors. ``on_staged`` is called once every file is on the disk, before any is moved into
+    place (a host writes its own files into ``output`` then)."""
     output = Path(output)
-    check_new_directory(output)
+    into_existing = replace_weights and output.is_dir()
+    if not into_existing:
+        check_new_directory(output)
     shards = plan_shards(sources, parse_size(max_shard_size), prefix)
-    staged = output.with_name(f".{output.name}.part")
+    # A new directory is staged beside it and appears whole; into a directory that holds other files (a Hugging Face
+    # Trainer's output), the files are staged inside it and each moved into place after all are on the disk.
+    staged = output / f".{prefix}.part" if into_existing else output.with_name(f".{output.name}.part")
     if staged.exists():
         shutil.rmtree(staged)
     staged.mkdir(parents=True)
+    index_name = f"{prefix}.safetensors.index.json"
     try:
         total = 0
         for file, members in shards.items():
@@ -218,18 +228,40 @@ def save_sharded(
                 "metadata": {"total_size": total},
                 "weight_map": {s.name: file for file, members in shards.items() for s in members},
             }
-            (staged / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            (staged / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if config is not None:
             (staged / "config.json").write_bytes(config)
         fsync_tree(staged)
-        if output.exists():
-            output.rmdir()  # empty, checked above
-        os.replace(staged, output)
-        fsync_path(output.absolute().parent)
+        if on_staged is not None:
+            on_staged()
+        if into_existing:
+            _move_weights_into(staged, output, prefix, sharded=len(shards) > 1)
+        else:
+            if output.exists():
+                output.rmdir()  # empty, checked above
+            os.replace(staged, output)
+            fsync_path(output.absolute().parent)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
     return shards
+
+
+def _move_weights_into(staged: Path, output: Path, prefix: str, *, sharded: bool) -> None:
+    """Move the staged files into ``output``: the shards, then the index (the file readers open first), then the
+    previous save's weight files that the new one does not have are removed, as ``save_pretrained`` removes them."""
+    index_name = f"{prefix}.safetensors.index.json"
+    written = {p.name for p in staged.iterdir()}
+    for name in sorted(written - {index_name}):
+        os.replace(staged / name, output / name)
+    if sharded:
+        os.replace(staged / index_name, output / index_name)
+    stale = re.compile(rf"^{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors$")
+    for old in output.iterdir():
+        if old.name not in written and (stale.match(old.name) or (old.name == index_name and not sharded)):
+            old.unlink()
+    staged.rmdir()
+    fsync_path(output)
 
 
 __all__ = [

@@ -133,8 +133,18 @@ def test_hf_trainer_checkpoint_of_2_ranks_resumes_on_1(trainer_runs):
     assert rank["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
 
 
-def test_hf_save_model_exports_the_weights_from_pretrained_loads(trainer_runs):
+def test_hf_save_model_streams_shards_from_the_partitions_from_pretrained_loads(trainer_runs):
+    # The run's DeepSpeed config has stage3_gather_16bit_weights_on_model_save off: the Trainer's own save_model would
+    # write a DeepSpeed checkpoint and no weights; PureBF16Trainer writes them from the partitions, in shards.
     whole, _, _, out = trainer_runs
+    export = out / "export"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in export.glob("model-*.safetensors"))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    assert "lm_head.weight" not in index["weight_map"]  # tied to wte: written once, as save_pretrained writes it
+    assert (export / "config.json").is_file() and (export / "training_args.bin").is_file()
+    assert not (export / "model.safetensors").exists() and not list(export.glob(".*"))  # no dummy, no staging
+    assert (out / "run" / "checkpoint-3" / "model.safetensors.index.json").is_file()  # the Trainer's checkpoints too
     exported = torch.load(out / "exported.pt")
     live = whole[0]["live"]
     assert set(live) <= set(exported)

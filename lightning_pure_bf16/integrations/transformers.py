@@ -6,7 +6,7 @@
     args = TrainingArguments("out", bf16=True, deepspeed=deepspeed_config(), learning_rate=3e-4, ...)
     trainer = PureBF16Trainer(model=model, args=args, train_dataset=train)   # 8 bytes/param instead of 16+
     trainer.train()                                   # or trainer.train(resume_from_checkpoint=True)
-    trainer.save_model("final")                       # the consolidated bf16 weights: from_pretrained loads them
+    trainer.save_model("final")                       # bf16 weights streamed from the partitions: from_pretrained
 
 The Trainer keeps doing what it does with DeepSpeed (the ``TrainingArguments``: learning rate, weight decay on its
 own no-decay groups, warm-up and schedulers, gradient accumulation, ``max_grad_norm``; checkpoints every
@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import os
 from typing import Any
 
 import transformers
@@ -34,12 +35,18 @@ import transformers
 from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16 import deepspeed as pure_bf16_deepspeed
 from lightning_pure_bf16.adoption import rebind_scheduler
+from lightning_pure_bf16.pretrained import partition_sources, save_pretrained
 from lightning_pure_bf16.release import check_release_config
+from lightning_pure_bf16.shards import parse_size
 
 WHO = "PureBF16Trainer"
 # The Trainer's optimizer choices that are AdamW (``TrainingArguments.optim``): converted to the pure-bf16 AdamW.
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# save_model's largest shard unless the Trainer is given another: the host's own save_pretrained default.
+_HOST_MAX_SHARD_SIZE = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
 
+# `save_model` streams the weights from the partitions; the gathering flag stays for the saves it leaves to the Trainer
+# (a PEFT model's adapters), which need it.
 _DEEPSPEED_CONFIG: dict[str, Any] = {
     "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
     "bf16": {"enabled": "auto"},
@@ -68,18 +75,22 @@ class PureBF16TrainerMixin:
     """Pure bf16 for any ``transformers.Trainer`` subclass: put it first among the bases (``class
     MyTrainer(PureBF16TrainerMixin, SFTTrainer)``), or let :func:`pure_bf16_trainer` make the class.
 
-    It changes four methods of the Trainer, and only them: ``__init__`` (takes this package's keyword options, checks
+    It changes five methods of the Trainer, and only them: ``__init__`` (takes this package's keyword options, checks
     the ``TrainingArguments`` before anything is set up), ``create_accelerator_and_postprocess`` (routes Accelerate's
     ``deepspeed.initialize`` of the trained model to :func:`lightning_pure_bf16.deepspeed.initialize`),
-    ``create_optimizer`` and ``create_scheduler`` (the ones given in ``optimizers=`` are used, not dropped). A
+    ``create_optimizer`` and ``create_scheduler`` (the ones given in ``optimizers=`` are used, not dropped) and
+    ``save_model`` (the weights streamed from ZeRO-3's partitions, never gathered on one rank). A
     subclass that prepares another model for DeepSpeed itself (TRL's ``DPOTrainer`` and its reference model) keeps
     doing so: that model is not trained and holds no optimizer.
     """
 
     pure_bf16_options: dict[str, Any]
+    max_shard_size: int | str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         who = type(self).__name__
+        self.max_shard_size = kwargs.pop("max_shard_size", _HOST_MAX_SHARD_SIZE)
+        parse_size(self.max_shard_size)  # a bad size refused now, not at the first save
         self.pure_bf16_options = pure_bf16_deepspeed.take_options(who, kwargs)
         training_args = _training_args_of(super().__init__, args, kwargs)
         _check_training_args(training_args, who)
@@ -105,6 +116,36 @@ class PureBF16TrainerMixin:
         if self.is_deepspeed_enabled:
             initialize = functools.partial(pure_bf16_deepspeed.initialize, **self.pure_bf16_options)
             _internals.route_accelerate_deepspeed(self.accelerator, initialize)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The trained weights in Hugging Face's layout, written from ZeRO-3's partitions: one parameter at a time is
+        gathered onto the first rank and streamed into its shard (``max_shard_size``, by default the host's), so no
+        rank holds the model; ``config.json``, the tokenizer and the arguments as the Trainer writes them. Called on
+        every rank, as the Trainer's own checkpoints call it. A PEFT model (its adapters), or a model whose saved
+        names differ from its own, is saved as the Trainer saves it."""
+        names = self._names_saved_from_partitions()
+        if names is None:
+            return super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+
+        def beside() -> None:
+            if self.args.should_save:
+                _internals.transformers_save_beside_weights(self, output_dir)
+
+        save_pretrained(self.model, output_dir, max_shard_size=self.max_shard_size, names=names, on_staged=beside)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _names_saved_from_partitions(self) -> list[str] | None:
+        engine = getattr(self, "deepspeed", None)
+        if not self.is_deepspeed_enabled or engine is None or engine.zero_optimization_stage() != 3:
+            return None
+        if not isinstance(self.model, transformers.PreTrainedModel):  # PEFT's adapters, or a plain module
+            return None
+        shapes = {s.name: s.shape for s in partition_sources(self.model)}
+        return _internals.transformers_saved_names(self.model, shapes)
 
     def create_optimizer(self, model: Any = None) -> Any:
         """The optimizer given in ``optimizers=``, else the Trainer's torch AdamW with its weight-decay groups; either
@@ -136,6 +177,8 @@ class PureBF16Trainer(PureBF16TrainerMixin, transformers.Trainer):
             keyword options, as :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
         trust_checkpoint: a resume reads files that need code to be read, with the full unpickler (default: False,
             such a file is refused); only for checkpoints whose writer you trust.
+        max_shard_size: the largest safetensors shard ``save_model`` writes (default: ``save_pretrained``'s, 50GB in
+            transformers 5); ``"5GB"``, ``"500MB"`` or bytes.
 
     Raises:
         ValueError: a bad option, ``TrainingArguments`` without DeepSpeed or bf16, or another optimizer choice,

@@ -110,7 +110,12 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
         use_cpu=opts.get("cpu", True),
         bf16=True,
         deepspeed=deepspeed_config(
-            zero_optimization={"reduce_bucket_size": 4096, "stage3_param_persistence_threshold": 0}
+            zero_optimization={
+                "reduce_bucket_size": 4096,
+                "stage3_param_persistence_threshold": 0,
+                # Without it the stock save_model writes no weights; PureBF16Trainer streams them from the partitions.
+                "stage3_gather_16bit_weights_on_model_save": not opts.get("export", False),
+            }
         ),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=opts.get("accumulate", 1),
@@ -157,6 +162,7 @@ def run_trainer(rank: int, out: Path, opts: dict) -> dict:
         callbacks=[Losses()],
         optimizers=optimizers,
         seed=7,
+        **({"max_shard_size": "16KB"} if opts.get("export") else {}),
         **opts.get("options", {}),
     )
     import warnings
@@ -276,7 +282,12 @@ def run_trl(rank: int, out: Path, opts: dict) -> dict:
         use_cpu=True,
         bf16=True,
         deepspeed=deepspeed_config(
-            zero_optimization={"reduce_bucket_size": 4096, "stage3_param_persistence_threshold": 0}
+            zero_optimization={
+                "reduce_bucket_size": 4096,
+                "stage3_param_persistence_threshold": 0,
+                # Without it the stock save_model writes no weights; PureBF16Trainer streams them from the partitions.
+                "stage3_gather_16bit_weights_on_model_save": not opts.get("export", False),
+            }
         ),
         per_device_train_batch_size=4,
         learning_rate=3e-3,
