@@ -23,7 +23,7 @@ from lightning_pure_bf16.integrations import host_watch
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.precision import PureBF16FabricPrecision, PureBF16Precision
-from lightning_pure_bf16.pretrained import PretrainedError, load_pretrained
+from lightning_pure_bf16.pretrained import PretrainedError, load_pretrained, save_pretrained
 from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
 
 __version__ = "0.1.0"
@@ -52,4 +52,5 @@ __all__ = [
     "PretrainedError",
     "consolidate_optimizer_state",
     "resume_fabric_dataloader",
+    "save_pretrained",
 ]

@@ -317,12 +317,22 @@ def _gathered_pieces(tensor: torch.Tensor, numel: int) -> Iterator[torch.Tensor]
         left -= take
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside what ``fabric.setup`` or ``deepspeed.initialize`` returned, named as the user built it."""
+    from deepspeed import DeepSpeedEngine
+
+    from lightning_pure_bf16._internals import fabric_unwrap
+
+    module = fabric_unwrap(module)
+    return module.module if isinstance(module, DeepSpeedEngine) else module
+
+
 def partition_sources(module: nn.Module, names: Sequence[str] | None = None) -> list[TensorSource]:
     """Every tensor of ``module``'s state as a :class:`TensorSource` known by its full shape: a partitioned parameter
     read by gathering its partitions onto the first rank (a collective: every rank reads the sources in the same
     order), anything else from the first rank's own copy. Tied parameters come once, under their first name;
     ``names`` keeps only those names, in that order."""
-    targets = _module_targets(module)
+    targets = _module_targets(_unwrapped(module))
     if names is None:
         seen: set[int] = set()
         names = [n for n, t in targets.items() if not (id(t) in seen or seen.add(id(t)))]
@@ -365,7 +375,8 @@ def save_pretrained(
     nothing.
 
     Args:
-        module: the model (or the LightningModule holding it), partitioned by ZeRO-3 or not.
+        module: the model (or the LightningModule holding it, or what ``fabric.setup`` or ``deepspeed.initialize``
+            returned), partitioned by ZeRO-3 or not.
         directory: where the files go.
         max_shard_size: the largest shard, as transformers reads it (default: 5GB).
         key_map: prefixes of the module's names renamed in the files, the first that matches: ``{"model.": ""}``
@@ -400,7 +411,10 @@ def save_pretrained(
             problem = (PermissionError, f"'{probe}' is not writable; save the weights elsewhere.")
         elif shutil.disk_usage(probe).free < total:
             free = shutil.disk_usage(probe).free
-            problem = (OSError, f"'{probe}' has {free:,} bytes free; the weights take {total:,}. Free room or save elsewhere.")
+            problem = (
+                OSError,
+                f"'{probe}' has {free:,} bytes free; the weights take {total:,}: free room or save elsewhere.",
+            )
     if dist.is_initialized():  # every rank stops together, before anything is gathered or written
         shared = [problem]
         dist.broadcast_object_list(shared, src=0)

@@ -111,13 +111,24 @@ def test_the_trainer_and_fabric_load_each_ranks_partitions_and_train_at_8_bytes_
     key_map = {"": "net."}
     fit(tmp_path / "trainer", steps=3, pretrained=str(where), key_map=key_map)
     (tmp_path / "fabric").mkdir()
-    fabric_run(tmp_path / "fabric", steps=3, pretrained=str(where), key_map=key_map)
+    fabric_run(tmp_path / "fabric", steps=3, pretrained=str(where), key_map=key_map, save_pretrained=True)
     for front in ("trainer", "fabric"):
         ranks = load_ranks(tmp_path / front)
         assert_partitions_are_the_files_slices(ranks, weights)
         for result in ranks:
             assert result["memory_report"]["total"] == pytest.approx(8.0, abs=0.01), front
             assert len(result["losses"]) == 3 and all(torch.isfinite(torch.tensor(result["losses"]))), front
+    # save_pretrained out of the live Fabric run (given what fabric.setup returned): the pretrained checkpoint's
+    # names and layout, the trained weights bit for bit.
+    saved = tmp_path / "fabric" / "saved"
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(weights) and len(set(index["weight_map"].values())) > 1
+    trained = load_ranks(tmp_path / "fabric")[0]["trained"]
+    for name, file in index["weight_map"].items():
+        with safe_open(saved / file, "pt") as f:
+            value = f.get_tensor(name)
+        assert value.dtype == torch.bfloat16 and torch.equal(value, trained["net." + name]), name
+        assert not torch.equal(value, weights[name].to(torch.bfloat16)), name  # trained, not the file read in
 
 
 def test_transformers_from_pretrained_under_the_trainers_zero3_gives_the_files_partitions(tmp_path):
@@ -139,3 +150,31 @@ def test_transformers_from_pretrained_under_the_trainers_zero3_gives_the_files_p
             assert part is not None and part.dtype == torch.bfloat16 and torch.equal(part[: flat.numel()], flat), name
         assert result["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
         assert result["global_steps"] == 4 and result["losses"][-1] < result["losses"][0]
+
+
+def test_save_pretrained_replaces_the_previous_weights_and_refuses_bad_input_before_writing(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_pure_bf16 import save_pretrained
+
+    module = MLP().to(torch.bfloat16)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")  # a host's own file beside the weights
+    save_pretrained(module, out, max_shard_size=3000, key_map={"net.": ""})
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        module.net[0].weight.add_(1)
+    save_pretrained(module, out, key_map={"net.": ""})  # fits one file: the shards and their index are stale
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert all(torch.equal(v, module.state_dict()["net." + k]) for k, v in load_file(out / "model.safetensors").items())
+
+    before = set(tmp_path.rglob("*"))
+    with pytest.raises(PretrainedError, match=r"1 names to save are not in the module: 'net.9.weight'"):
+        save_pretrained(module, tmp_path / "new", names=["net.0.weight", "net.9.weight"])
+    with pytest.raises(ValueError, match="is not a size"):
+        save_pretrained(module, tmp_path / "new", max_shard_size="big")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="is a file"):
+        save_pretrained(module, tmp_path / "file")
+    assert set(tmp_path.rglob("*")) == before | {tmp_path / "file"}  # nothing else written

@@ -43,7 +43,9 @@ WHO = "PureBF16Trainer"
 # The Trainer's optimizer choices that are AdamW (``TrainingArguments.optim``): converted to the pure-bf16 AdamW.
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # save_model's largest shard unless the Trainer is given another: the host's own save_pretrained default.
-_HOST_MAX_SHARD_SIZE = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+_HOST_MAX_SHARD_SIZE = (
+    inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+)
 
 # `save_model` streams the weights from the partitions; the gathering flag stays for the saves it leaves to the Trainer
 # (a PEFT model's adapters), which need it.

@@ -189,6 +189,14 @@ def main(out: Path, opts: dict) -> None:
         "first_inputs": first_inputs,
         "loaded_partitions": loaded,
     }
+    if opts.get("save_pretrained"):
+        # Out of the live run in Hugging Face's layout, from the partitions (on every rank), beside the weights whole.
+        import deepspeed
+
+        lightning_pure_bf16.save_pretrained(model, out / "saved", key_map={"net.": ""}, max_shard_size=3000)
+        params = dict(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            result["trained"] = {k: v.detach().clone() for k, v in params.items()}
     torch.save(result, out / f"rank{fabric.global_rank}.pt")
 
 
