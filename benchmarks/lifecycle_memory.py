@@ -1,0 +1,457 @@
+"""Host memory of every phase of a run, not only the step: construction, loading pretrained weights, the first steps,
+a checkpoint save, the save in Hugging Face's layout, a resume, and the export, per rank.
+
+A run at the seed's scale (a 70B fine-tune) dies wherever one phase holds the whole model in one process. This
+benchmark runs one GPT of about 1B parameters on 2 CPU ranks through each phase and records, per rank and phase,
+the peak of the memory the process holds (RssAnon + RssShmem, sampled every millisecond, as ``largest_model.py``
+counts it: pages of memory-mapped files are page cache, which the kernel drops under pressure) and its rise over the
+phase's start, as a multiple of that rank's partition of the bf16 weights (2 bytes x params / ranks).
+
+Arms:
+
+- ``pure_bf16``: this package's Fabric strategy. Construction in ``fabric.init_module()`` (partitioned as it is
+  built), ``load_pretrained`` from a sharded Hugging Face checkpoint, ``fabric.setup`` and the first steps,
+  ``fabric.save``, ``save_pretrained`` (what ``PureBF16Trainer.save_model`` runs), ``fabric.load`` into the live
+  run, and ``python -m lightning_pure_bf16.consolidate`` (the export, one process).
+- ``ds_bf16_mixed``: what Lightning's ``DeepSpeedStrategy(stage=3, precision="bf16-mixed")`` runs (through
+  ``deepspeed.initialize`` with this package's CPU set-up for DeepSpeed, as every benchmark's peer arm): construction
+  under ``deepspeed.zero.Init``, no way to load pretrained weights into the partitions, the first steps,
+  ``engine.save_checkpoint``, the 16-bit weights gathered on rank 0 and written as ``transformers.Trainer.save_model``
+  does under ZeRO-3 (``_zero3_consolidated_16bit_state_dict``), ``engine.load_checkpoint``, and DeepSpeed's
+  ``zero_to_fp32.py`` for the export (on this arm's checkpoint and on ``pure_bf16``'s).
+
+The bounds the report checks: the export's peak at most one shard plus the largest tensor plus 300 MB (the
+interpreter and torch), and at least 5x below ``zero_to_fp32.py``'s; each rank's rise while loading pretrained weights
+at most its partition of the bf16 weights plus the largest tensor plus 64 MB; the rise of the Hugging Face save at
+most one shard plus the largest tensor plus 64 MB.
+
+    python benchmarks/lifecycle_memory.py            # ~1B parameters (n_embd 2048, 20 layers), 256 MB shards
+    python benchmarks/lifecycle_memory.py --quick    # ~26M parameters, seconds
+
+Each arm's result is written under ``benchmarks/results/.partial/`` as it finishes; a rerun with the same arguments
+skips the arms already measured (``--fresh`` measures them again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _arms import HELD, ROOT, Spec, _batches, _deepspeed_config, _free_port, _gpt, _status_bytes  # noqa: E402
+from _results import write_results  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+ARMS = {
+    "pure_bf16": "this strategy (Fabric), stochastic rounding",
+    "ds_bf16_mixed": "DeepSpeed ZeRO-3 bf16 mixed (what Lightning's DeepSpeedStrategy runs)",
+}
+PHASES = ("construction", "load pretrained", "setup", "first steps", "save", "save HF layout", "resume", "export")
+MB = 10**6
+
+
+class _Phases:
+    """Per phase: the held memory at its start, its peak (a thread samples every millisecond) and at its end."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, _status_bytes("self", *HELD))
+            time.sleep(0.001)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()  # every rank starts the phase together
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the allocator kept from earlier phases goes back first
+        start = _status_bytes("self", *HELD)
+        self._peak = start
+        t0 = time.perf_counter()
+        yield
+        if dist.is_initialized():
+            dist.barrier()
+        peak = max(self._peak, _status_bytes("self", *HELD))
+        self.rows.append(
+            {
+                "phase": name,
+                "start_bytes": start,
+                "peak_bytes": peak,
+                "end_bytes": _status_bytes("self", *HELD),
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+        )
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join()
+        return self.rows
+
+
+# --------------------------------------------------------------------------------------------------- the ranks
+def _run_ours(spec: Spec, work: Path, phases: _Phases, shard: str) -> None:
+    import torch
+    from lightning.fabric import Fabric
+
+    import lightning_pure_bf16
+    from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=spec.world_size, strategy=DeepSpeedPureBF16FabricStrategy())
+    fabric.launch()
+    with phases.phase("construction"), fabric.init_module():
+        model = _gpt(spec)
+    with phases.phase("load pretrained"):
+        lightning_pure_bf16.load_pretrained(model, work / "pretrained")
+    with phases.phase("setup"):
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1))
+    with phases.phase("first steps"):
+        for x, y in _batches(spec, fabric.device):
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    state = {"model": model, "optimizer": optimizer, "step": spec.steps}
+    with phases.phase("save"):
+        fabric.save(work / "ours.ckpt", state)
+    with phases.phase("save HF layout"):
+        lightning_pure_bf16.save_pretrained(model, work / "ours_hf", max_shard_size=shard)
+    with phases.phase("resume"):
+        fabric.load(work / "ours.ckpt", state)
+
+
+def _run_deepspeed(spec: Spec, work: Path, phases: _Phases, shard: str) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from lightning_pure_bf16 import _internals
+
+    _internals.set_deepspeed_accelerator("cpu")
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = _deepspeed_config("ds_bf16_mixed", spec)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    with phases.phase("construction"), deepspeed.zero.Init(config_dict_or_path=config):
+        model = _gpt(spec)
+    with phases.phase("setup"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    with phases.phase("first steps"):
+        for x, y in _batches(spec, torch.device("cpu")):
+            loss = torch.nn.functional.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
+            engine.backward(loss)
+            engine.step()
+    with phases.phase("save"):
+        engine.save_checkpoint(str(work / "ds.ckpt"))
+    with phases.phase("save HF layout"):
+        # transformers.Trainer.save_model under ZeRO-3: every 16-bit weight gathered into one state dict on rank 0,
+        # then save_pretrained's sharded files.
+        state = engine._zero3_consolidated_16bit_state_dict()
+        if dist.get_rank() == 0:
+            from huggingface_hub import save_torch_state_dict
+
+            (work / "ds_hf").mkdir()
+            save_torch_state_dict(state, work / "ds_hf", max_shard_size=shard)
+        del state
+    with phases.phase("resume"):
+        engine.load_checkpoint(str(work / "ds.ckpt"))
+
+
+def worker(arm: str, spec: Spec, work: Path, shard: str) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+    phases = _Phases()
+    (_run_ours if arm == "pure_bf16" else _run_deepspeed)(spec, work, phases, shard)
+    rank = int(os.environ["RANK"])
+    (work / f"{arm}_rank{rank}.json").write_text(json.dumps(phases.stop()))
+
+
+# --------------------------------------------------------------------------------------------------- the parent
+def _write_pretrained(spec: Spec, where: Path, shard: str) -> None:
+    """The GPT's initial weights in bf16 as a sharded Hugging Face checkpoint, built here (not in a measured rank)."""
+    import torch
+
+    from lightning_pure_bf16 import save_pretrained
+
+    torch.manual_seed(0)
+    save_pretrained(_gpt(spec).to(torch.bfloat16), where, max_shard_size=shard)
+
+
+def _launch(arm: str, spec: Spec, work: Path, shard: str, timeout_s: float) -> list[list[dict]]:
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(spec.world_size),
+        "NODE_RANK": "0",
+        "PYTHONWARNINGS": "ignore",
+        "DS_ACCELERATOR": "cpu",
+    }
+    procs = []
+    for rank in range(spec.world_size):
+        log = open(work / f"{arm}_log{rank}.txt", "w")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, __file__, "--worker", arm, json.dumps(asdict(spec)), str(work), shard]
+        procs.append(
+            (
+                subprocess.Popen(
+                    cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT
+                ),
+                log,
+            )
+        )
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p, _ in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    ranks = []
+    for rank in range(spec.world_size):
+        path = work / f"{arm}_rank{rank}.json"
+        if not path.exists():
+            tail = (work / f"{arm}_log{rank}.txt").read_text()[-3000:]
+            raise RuntimeError(f"{arm} rank {rank} wrote no result:\n{tail}")
+        ranks.append(json.loads(path.read_text()))
+    return ranks
+
+
+def _peak_of_command(cmd: list[str]) -> dict:
+    """Run a one-process command, sampling its held memory every millisecond."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
+    )
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _status_bytes(proc.pid, *HELD))
+        time.sleep(0.001)
+    output = proc.stdout.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-3000:]}")
+    return {"peak_bytes": peak, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _largest_tensor_bytes(spec: Spec) -> int:
+    import torch
+
+    with torch.device("meta"):
+        model = _gpt(spec)
+    return max(p.numel() for p in model.parameters()) * 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a ~26M-parameter GPT: seconds, for checking the script")
+    parser.add_argument("--n-embd", type=int, default=None, help="width (default 2048; 256 with --quick)")
+    parser.add_argument("--n-layer", type=int, default=None, help="blocks (default 20; 4 with --quick)")
+    parser.add_argument(
+        "--shard", default=None, help="shard size of every Hugging Face file (default 256MB; 4MB quick)"
+    )
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--fresh", action="store_true", help="measure again the arms already measured")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds an arm may take")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    n_embd = args.n_embd or (256 if args.quick else 2048)
+    n_layer = args.n_layer or (4 if args.quick else 20)
+    shard = args.shard or ("4MB" if args.quick else "256MB")
+    spec = Spec(n_layer=n_layer, n_head=max(1, n_embd // 128), n_embd=n_embd, block_size=64, batch_size=2, steps=2)
+    params = spec.params()
+    stem = "lifecycle_memory_quick" if args.quick else "lifecycle_memory"
+    partial = args.out / ".partial" / f"{stem}_{n_embd}x{n_layer}_{shard}.json"
+    done: dict = {} if args.fresh or not partial.exists() else json.loads(partial.read_text())
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    largest = _largest_tensor_bytes(spec)
+    print(
+        f"GPT {params / 1e6:,.0f}M parameters ({n_embd} wide, {n_layer} blocks), largest tensor {largest / MB:.0f} MB,"
+        f" shards {shard}, {spec.world_size} CPU ranks"
+    )
+    with tempfile.TemporaryDirectory(prefix="lifecycle_", dir=os.environ.get("LIFECYCLE_TMP")) as tmp:
+        work = Path(tmp)
+        _write_pretrained(spec, work / "pretrained", shard)
+        for arm in args.arms:
+            if arm in done:
+                print(f"{arm}: measured before, kept ({partial}; --fresh measures it again)")
+                continue
+            print(f"{arm}: running ...", flush=True)
+            ranks = _launch(arm, spec, work, shard, args.timeout)
+            exports = {}
+            if arm == "pure_bf16":
+                consolidate = [sys.executable, "-m", "lightning_pure_bf16.consolidate"]
+                exports["export"] = _peak_of_command(
+                    [*consolidate, str(work / "ours.ckpt"), str(work / "ours_export"), "--max-shard-size", shard]
+                )
+                exports["export, default 5GB shards"] = _peak_of_command(
+                    [*consolidate, str(work / "ours.ckpt"), str(work / "ours_export_5gb")]
+                )
+                exports["export by zero_to_fp32.py"] = _peak_of_command(
+                    [
+                        sys.executable,
+                        "-m",
+                        "deepspeed.utils.zero_to_fp32",
+                        str(work / "ours.ckpt"),
+                        str(work / "ours_z2f"),
+                        "--max_shard_size",
+                        shard,
+                        "--safe_serialization",
+                    ]
+                )
+                _check_export(work / "ours_export", work / "ours_hf")
+            else:
+                exports["export by zero_to_fp32.py"] = _peak_of_command(
+                    [
+                        sys.executable,
+                        "-m",
+                        "deepspeed.utils.zero_to_fp32",
+                        str(work / "ds.ckpt"),
+                        str(work / "ds_z2f"),
+                        "--max_shard_size",
+                        shard,
+                        "--safe_serialization",
+                    ]
+                )
+            done[arm] = {"ranks": ranks, "exports": exports}
+            partial.write_text(json.dumps(done))
+    _report(args, argv, spec, shard, largest, done, stem)
+    return 0
+
+
+def _check_export(exported: Path, saved: Path) -> None:
+    """The export of the checkpoint and the Hugging Face save of the live run hold the same bf16 weights."""
+    import torch
+    from safetensors import safe_open
+
+    index = json.loads((exported / "model.safetensors.index.json").read_text())["weight_map"]
+    saved_index = json.loads((saved / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(saved_index), "the export and the save name different tensors"
+    for name, file in index.items():
+        with safe_open(exported / file, "pt") as a, safe_open(saved / saved_index[name], "pt") as b:
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            assert x.dtype == torch.bfloat16 and torch.equal(x, y), name
+
+
+def _report(args, argv, spec: Spec, shard: str, largest: int, done: dict, stem: str) -> None:
+    from lightning_pure_bf16.shards import parse_size
+
+    params, world = spec.params(), spec.world_size
+    weights = 2 * params
+    partition = weights / world
+    shard_bytes = parse_size(shard)
+    rows, lines = [], []
+    command = "python benchmarks/lifecycle_memory.py" + (" " + " ".join(argv) if argv else "")
+    lines += [
+        f"# Host memory of every phase: GPT {params / 1e6:,.0f}M, {world} CPU ranks",
+        "",
+        f"bf16 weights {weights / 2**30:.2f} GiB, each rank's partition {partition / 2**30:.2f} GiB, largest tensor"
+        f" {largest / MB:.0f} MB, Hugging Face shards of {shard}. Memory is what a process holds (RssAnon + RssShmem,"
+        " sampled every millisecond); the rise is over the phase's start; x partition is the rise divided by the"
+        " rank's partition of the bf16 weights. Command: `" + command + "`.",
+        "",
+        "| arm | phase | rank | held at start GiB | peak GiB | rise GiB | rise x partition | seconds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm, result in done.items():
+        for phase in PHASES:
+            for rank, phases in enumerate(result["ranks"]):
+                row = next((r for r in phases if r["phase"] == phase), None)
+                if row is None:
+                    continue
+                rise = row["peak_bytes"] - row["start_bytes"]
+                rows.append(
+                    {
+                        "arm": arm,
+                        "phase": phase,
+                        "rank": rank,
+                        **row,
+                        "rise_bytes": rise,
+                        "rise_x_partition": round(rise / partition, 3),
+                        "params": params,
+                    }
+                )
+                lines.append(
+                    f"| {arm} | {phase} | {rank} | {row['start_bytes'] / 2**30:.2f} |"
+                    f" {row['peak_bytes'] / 2**30:.2f} | {rise / 2**30:.2f} | {rise / partition:.2f} |"
+                    f" {row['seconds']:.1f} |"
+                )
+        for name, row in result["exports"].items():
+            rows.append({"arm": arm, "phase": name, "rank": "", **row, "params": params})
+            lines.append(
+                f"| {arm} | {name} (one process) | | | {row['peak_bytes'] / 2**30:.2f} |"
+                f" | {row['peak_bytes'] / weights:.2f} x the weights | {row['seconds']:.1f} |"
+            )
+        if arm == "ds_bf16_mixed":
+            lines.append("| ds_bf16_mixed | load pretrained | | | | | no way into the partitions | |")
+    lines += ["", "## The bounds", ""]
+    ours = done.get("pure_bf16")
+    if ours is not None:
+        base = 300 * MB
+        export = ours["exports"]["export"]["peak_bytes"]
+        bound = shard_bytes + largest + base
+        lines.append(
+            f"- Export ({shard} shards): peak {export / MB:,.0f} MB, bound one shard + largest tensor + 300 MB"
+            f" = {bound / MB:,.0f} MB: {'met' if export <= bound else 'MISSED'}."
+        )
+        big = ours["exports"]["export, default 5GB shards"]["peak_bytes"]
+        bound_big = parse_size("5GB") + largest + base
+        lines.append(
+            f"- Export (default 5GB shards): peak {big / MB:,.0f} MB, bound {bound_big / MB:,.0f} MB:"
+            f" {'met' if big <= bound_big else 'MISSED'}."
+        )
+        z2f = ours["exports"]["export by zero_to_fp32.py"]["peak_bytes"]
+        lines.append(
+            f"- zero_to_fp32.py on the same checkpoint: {z2f / MB:,.0f} MB, {z2f / export:.1f}x the export's"
+            f" peak (at least 5x: {'met' if z2f >= 5 * export else 'MISSED'})."
+        )
+        for rank, phases in enumerate(ours["ranks"]):
+            row = {r["phase"]: r for r in phases}
+            load = row["load pretrained"]["peak_bytes"] - row["load pretrained"]["start_bytes"]
+            bound = partition + largest + 64 * MB
+            lines.append(
+                f"- Rank {rank} loading pretrained weights: rise {load / MB:,.0f} MB, bound partition +"
+                f" largest tensor + 64 MB = {bound / MB:,.0f} MB: {'met' if load <= bound else 'MISSED'}."
+            )
+            save = row["save HF layout"]["peak_bytes"] - row["save HF layout"]["start_bytes"]
+            bound = shard_bytes + largest + 64 * MB
+            lines.append(
+                f"- Rank {rank} saving in Hugging Face's layout (save_pretrained, PureBF16Trainer.save_model's"
+                f" writer): rise {save / MB:,.0f} MB, bound one shard + largest tensor + 64 MB ="
+                f" {bound / MB:,.0f} MB: {'met' if save <= bound else 'MISSED'}."
+            )
+    write_results(args.out, stem, rows, lines, command)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _, _, arm_name, spec_json, work_dir, shard_size = sys.argv
+        worker(arm_name, Spec(**json.loads(spec_json)), Path(work_dir), shard_size)
+    else:
+        raise SystemExit(main())
