@@ -109,7 +109,15 @@ def assert_partitions_are_the_files_slices(ranks, weights):
 def test_the_trainer_and_fabric_load_each_ranks_partitions_and_train_at_8_bytes_per_param(pretrained_dir, tmp_path):
     where, weights = pretrained_dir
     key_map = {"": "net."}
-    fit(tmp_path / "trainer", steps=3, pretrained=str(where), key_map=key_map)
+    saved = {"trainer": tmp_path / "trainer_saved", "fabric": tmp_path / "fabric" / "saved"}
+    fit(
+        tmp_path / "trainer",
+        steps=3,
+        pretrained=str(where),
+        key_map=key_map,
+        gather_full=True,
+        save_pretrained=str(saved["trainer"]),
+    )
     (tmp_path / "fabric").mkdir()
     fabric_run(tmp_path / "fabric", steps=3, pretrained=str(where), key_map=key_map, save_pretrained=True)
     for front in ("trainer", "fabric"):
@@ -118,17 +126,20 @@ def test_the_trainer_and_fabric_load_each_ranks_partitions_and_train_at_8_bytes_
         for result in ranks:
             assert result["memory_report"]["total"] == pytest.approx(8.0, abs=0.01), front
             assert len(result["losses"]) == 3 and all(torch.isfinite(torch.tensor(result["losses"]))), front
-    # save_pretrained out of the live Fabric run (given what fabric.setup returned): the pretrained checkpoint's
-    # names and layout, the trained weights bit for bit.
-    saved = tmp_path / "fabric" / "saved"
-    index = json.loads((saved / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(weights) and len(set(index["weight_map"].values())) > 1
-    trained = load_ranks(tmp_path / "fabric")[0]["trained"]
-    for name, file in index["weight_map"].items():
-        with safe_open(saved / file, "pt") as f:
-            value = f.get_tensor(name)
-        assert value.dtype == torch.bfloat16 and torch.equal(value, trained["net." + name]), name
-        assert not torch.equal(value, weights[name].to(torch.bfloat16)), name  # trained, not the file read in
+    # save_pretrained out of the live run (the LightningModule in on_train_end; what fabric.setup returned): the
+    # pretrained checkpoint's names and layout, the trained weights bit for bit.
+    trained = {
+        "trainer": load_ranks(tmp_path / "trainer")[0]["full_state"],
+        "fabric": load_ranks(tmp_path / "fabric")[0]["trained"],
+    }
+    for front, where_saved in saved.items():
+        index = json.loads((where_saved / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(weights) and len(set(index["weight_map"].values())) > 1
+        for name, file in index["weight_map"].items():
+            with safe_open(where_saved / file, "pt") as f:
+                value = f.get_tensor(name)
+            assert value.dtype == torch.bfloat16 and torch.equal(value, trained[front]["net." + name]), (front, name)
+            assert not torch.equal(value, weights[name].to(torch.bfloat16)), name  # trained, not the file read in
 
 
 def test_transformers_from_pretrained_under_the_trainers_zero3_gives_the_files_partitions(tmp_path):

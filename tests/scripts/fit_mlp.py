@@ -156,6 +156,12 @@ class MLP(LightningModule):
         )
         self.loaded_partitions = partitions(self)
 
+    def on_train_end(self) -> None:
+        if self.opts.get("save_pretrained"):  # every rank, the run's partitions still live
+            lightning_pure_bf16.save_pretrained(
+                self, self.opts["save_pretrained"], key_map={"net.": ""}, max_shard_size=3000
+            )
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).float(), y.float())
