@@ -307,6 +307,26 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "a warning _warnings.py filters",
     ),
     PrivateName("torch.optim:Optimizer.load_state_dict", "self.__setstate__(", "marker", "AdamW.__setstate__"),
+    # DeepSpeed's engine: how it reads a checkpoint's files
+    PrivateName(
+        "deepspeed.runtime.engine:DeepSpeedEngine",
+        "checkpoint_engine",
+        "attribute",
+        "its file reader, given memory-mapped reads for a resume (core.load_checkpoint)",
+    ),
+    PrivateName(
+        "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine",
+        "load",
+        "method",
+        "replaced for a resume by a memory-mapped, weights-only read of the same file",
+        ("self", "path", "map_location"),
+    ),
+    PrivateName(
+        "deepspeed.runtime.engine:DeepSpeedEngine",
+        "self.checkpoint_engine.load(",
+        "marker",
+        "every file a resume reads goes through the checkpoint engine's load",
+    ),
     # Accelerate (the integrations, optional): what its DeepSpeed preparation calls
     PrivateName(
         _ACCELERATOR,
@@ -992,6 +1012,20 @@ def deepspeed_initialize() -> Any:
 
 
 @contextmanager
+def deepspeed_checkpoint_reads(engine: Any, read: Callable[[str], Any]) -> Iterator[None]:
+    """The engine's checkpoint files are read with ``read(path)`` while the block runs, in place of its checkpoint
+    engine's ``torch.load`` (which reads a rank's whole optimizer file into memory: weights and moments, 6 bytes per
+    parameter of its partition on the host, where a memory-mapped read holds page cache only)."""
+    checkpoint_engine = _read(engine, "checkpoint_engine", "DeepSpeed's checkpoint reader")
+    load = _read(checkpoint_engine, "load", "DeepSpeed's checkpoint reader")
+    checkpoint_engine.load = lambda path, map_location=None: read(path)  # every caller maps to the CPU
+    try:
+        yield
+    finally:
+        checkpoint_engine.load = load
+
+
+@contextmanager
 def deepspeed_initialize_replaced(initialize: Any) -> Iterator[None]:
     """``deepspeed.initialize`` is ``initialize`` while the block runs (Accelerate reads it when it prepares)."""
     import deepspeed
@@ -1218,6 +1252,7 @@ __all__ = [
     "alias_bf16_master_partitions",
     "checkpoint_safe_globals",
     "dcp_metadata_global",
+    "deepspeed_checkpoint_reads",
     "engine_skipped_steps",
     "fabric_dataloader",
     "fabric_unwrap",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import os
 import shutil
 import weakref
@@ -57,7 +58,7 @@ from lightning_pure_bf16.repartition import (
     live_layout,
     load_repartitioned,
 )
-from lightning_pure_bf16.safe_load import verify_state_file
+from lightning_pure_bf16.safe_load import load_state_file, verify_state_file
 
 # The precision flags both front ends accept (their defaults, and the explicit one); all mean pure bf16.
 ACCEPTED_PRECISION = ("32-true", "bf16-true")
@@ -648,14 +649,17 @@ def load_checkpoint(
     except RepartitionError as err:
         raise CheckpointError(str(err)) from err
     if same_layout:
-        _, client_state = type(engine).load_checkpoint(  # the class's method, as in save_checkpoint
-            engine,
-            os.fspath(directory),
-            tag=TAG,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_strict=strict,
-        )
+        # Each file memory-mapped (its pages are page cache, copied into the run's buffers) and read weights-only.
+        read = functools.partial(load_state_file, trust=trust_checkpoint)
+        with _internals.deepspeed_checkpoint_reads(engine, read):
+            _, client_state = type(engine).load_checkpoint(  # the class's method, as in save_checkpoint
+                engine,
+                os.fspath(directory),
+                tag=TAG,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_strict=strict,
+            )
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint '{checkpoint_path}'.")
         return {k: v for k, v in client_state.items() if k not in DEEPSPEED_KEYS}, None

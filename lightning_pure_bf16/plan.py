@@ -10,6 +10,10 @@ configurations), its communication buckets, one layer's working set in the backw
 margin for activations, the CUDA context and allocator fragmentation, which this planner does not estimate. For the
 "mmap" configurations it also gives the disk space per node and, with ``--disk-gbps``, the time each optimizer step
 spends streaming the states (read once, written once), a lower bound that the disk sets.
+
+The phases around the step need host memory of their own, per process: construction, loading the pretrained
+weights, a checkpoint save, a save in Hugging Face's layout, a resume and the export. :func:`host_phases` gives each
+beside what the common stock path holds (``benchmarks/lifecycle_memory.py`` measures the same phases on the CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from lightning_pure_bf16.config import GATHER_CACHES
 from lightning_pure_bf16.memory import FROZEN_BYTES, MODEL_STATE_BYTES, STATE_FILE_BYTES, bytes_per_param
@@ -74,6 +78,108 @@ LABELS = {
 }
 
 
+# --------------------------------------------------------------------------------- host memory around the step
+# Llama 3's vocabulary: with the width the parameter count and layers imply, the embedding is the largest tensor.
+DEFAULT_VOCAB = 128_256
+# The export command's interpreter, torch and Lightning (`benchmarks/lifecycle_memory.py`: 318 MB exporting 1B params).
+EXPORT_BASE_BYTES = 300 * 10**6
+# A gathered parameter reaches the host in pieces of this size when the weights are saved from a GPU run
+# (lightning_pure_bf16.pretrained).
+HOST_PIECE_BYTES = 64 * 2**20
+# DeepSpeed's zero_to_fp32.py, per parameter, with its default 5GB shards: every float32 master of a shard in memory
+# (4 B/param up to 5 GB), the shard's tensors built whole.
+ZERO_TO_FP32_SHARD_BYTES = 5 * 10**9
+ZERO_TO_FP32_BASE_BYTES = 200 * 10**6  # its interpreter and torch (it imports no Lightning)
+# What a rank's DeepSpeed bf16-mixed optimizer file holds, per parameter of its partition: the float32 master and two
+# float32 moments, read whole by DeepSpeed's load_checkpoint (torch.load without a memory map).
+DEEPSPEED_MIXED_FILE_BYTES = 12
+
+
+@dataclass
+class HostPhase:
+    """One phase's host memory per process, in bytes above the interpreter and the libraries (the export's row counts
+    them: it is a process of its own), for this package and for the stock path a user would otherwise take."""
+
+    phase: str
+    ours_bytes: float
+    ours_how: str
+    stock_bytes: float | None
+    stock_how: str
+
+
+def host_phases(
+    params: float, gpus: int, *, layers: int = DEFAULT_LAYERS, largest_tensor: float | None = None
+) -> list[HostPhase]:
+    """Host memory of each phase around the step of a GPU run (the step itself holds everything on the devices).
+
+    Args:
+        params: total parameters.
+        gpus: ranks the model is partitioned over.
+        layers: the model's layers (with ``params``, the width of the default ``largest_tensor``).
+        largest_tensor: elements of the largest tensor (default: ``None``, a Llama-shaped embedding: 128,256 x the
+            width that ``params`` and ``layers`` imply).
+
+    Raises:
+        ValueError: for non-positive sizes.
+    """
+    if not (params > 0 and math.isfinite(params)) or gpus < 1 or layers < 1:
+        raise ValueError("params, gpus and layers must be positive.")
+    if largest_tensor is None:
+        largest_tensor = DEFAULT_VOCAB * math.sqrt(params / (12 * layers))
+    if not largest_tensor > 0:
+        raise ValueError(f"--largest-tensor must be a positive number of elements, got {largest_tensor!r}.")
+    weights, largest = 2 * params, 2 * largest_tensor
+    # torch.save copies each device storage it writes to the host, one at a time: a flat bf16 partition of one
+    # ZeRO-3 sub-group is the largest (float32 for DeepSpeed's masters and moments).
+    flat = min(params / gpus, SUB_GROUP_SIZE)
+    return [
+        HostPhase(
+            "construction",
+            0,
+            "partitioned as it is built (configure_model, fabric.init_module, zero.Init)",
+            4 * params,
+            "a module built outside configure_model: whole, float32, on every rank",
+        ),
+        HostPhase(
+            "load pretrained",
+            largest / gpus,
+            "each rank reads its own slices from the files' memory maps (load_pretrained)",
+            largest,
+            "transformers' from_pretrained under zero.Init: each tensor whole on every rank",
+        ),
+        HostPhase("steps", 0, "everything on the devices (mmap states: page cache)", 0, "everything on the devices"),
+        HostPhase(
+            "checkpoint save",
+            2 * flat,
+            "one flat bf16 partition of a sub-group copied to the host while written",
+            4 * flat,
+            "DeepSpeed bf16 mixed: a float32 flat partition copied to the host",
+        ),
+        HostPhase(
+            "save in HF layout",
+            HOST_PIECE_BYTES,
+            "rank 0: one parameter gathered at a time, streamed in 64 MiB pieces (save_pretrained, save_model)",
+            weights,
+            "transformers' save_model under ZeRO-3: every weight gathered on rank 0",
+        ),
+        HostPhase(
+            "resume",
+            0,
+            "every file memory-mapped: page cache, copied to the devices",
+            DEEPSPEED_MIXED_FILE_BYTES * params / gpus,
+            "DeepSpeed's load_checkpoint, bf16 mixed: the rank's optimizer file read whole",
+        ),
+        HostPhase(
+            "export",
+            EXPORT_BASE_BYTES + largest / gpus,
+            "one process writing each rank's slice of each tensor from the files' memory maps (a DeepSpeed bf16-mixed"
+            " checkpoint's float32 slice rounded first)",
+            ZERO_TO_FP32_BASE_BYTES + min(4 * params, ZERO_TO_FP32_SHARD_BYTES),
+            "DeepSpeed's zero_to_fp32.py, default 5GB shards: a float32 shard whole",
+        ),
+    ]
+
+
 @dataclass
 class Plan:
     params: float
@@ -93,6 +199,7 @@ class Plan:
     layers: int = DEFAULT_LAYERS
     gather_cache: str = "layer"
     deepspeed_working_buffers_gib: float = 0.0
+    host_phases: list[HostPhase] = field(default_factory=list)
 
 
 def plan(
@@ -107,6 +214,7 @@ def plan(
     reduce_bucket: int = REDUCE_BUCKET,
     layers: int = DEFAULT_LAYERS,
     gather_cache: str = "layer",
+    largest_tensor: float | None = None,
 ) -> Plan:
     """Per-GPU memory of each configuration and whether it fits.
 
@@ -129,6 +237,8 @@ def plan(
             memory left at the first step's peak holds it), ``"keep"``
             every gathered layer up to ZeRO-3's live-parameter limit, as DeepSpeed's own configurations always do
             (default: ``"layer"``, the strategies' default).
+        largest_tensor: elements of the model's largest tensor, for the host memory of the phases around the step
+            (:func:`host_phases`; default: ``None``, a Llama-shaped embedding).
 
     Raises:
         ValueError: for non-positive sizes or a fraction outside [0, 1).
@@ -201,6 +311,7 @@ def plan(
         layers,
         gather_cache,
         deepspeed_buffers,
+        host_phases(params, gpus, layers=layers, largest_tensor=largest_tensor),
     )
 
 
@@ -235,6 +346,15 @@ def _format(p: Plan) -> str:
             else "each step reads and writes them once (set --disk-gbps for the time)"
         )
         lines.append(f"  {LABELS[config]}: {p.state_files_per_node_gib[config]:.1f} GiB per node; {stream}")
+    lines += [
+        "",
+        "Host memory of the phases around the step, GiB per process above its interpreter and libraries (the export"
+        " is a process of its own and counts them):",
+        f"  {'phase':18s} {'this package':>12s} {'stock':>8s}  the stock path",
+    ]
+    for h in p.host_phases:
+        stock = "" if h.stock_bytes is None else f"{h.stock_bytes / GIB:8.1f}"
+        lines.append(f"  {h.phase:18s} {h.ours_bytes / GIB:12.1f} {stock:>8s}  {h.stock_how}")
     return "\n".join(lines)
 
 
@@ -251,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gather-cache", choices=GATHER_CACHES, default="layer", help="the strategy's gather_cache (default layer)"
     )
+    parser.add_argument(
+        "--largest-tensor",
+        type=float,
+        default=None,
+        help="elements of the largest tensor, for the host memory of loading and exporting (default: a Llama-shaped"
+        " embedding, 128256 x the width --params and --layers imply)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
@@ -264,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             disk_gbps=args.disk_gbps,
             layers=args.layers,
             gather_cache=args.gather_cache,
+            largest_tensor=args.largest_tensor,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
