@@ -12,6 +12,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 from lightning_pure_bf16 import _internals
 from lightning_pure_bf16._internals import (
@@ -323,3 +324,24 @@ def test_gloo_collectives_installed_once_on_deepspeeds_backend(monkeypatch):
     _internals.bounded_gloo_collectives()
     assert first == (backend.all_gather_function, backend.reduce_scatter_function)
     assert all(getattr(f, "_pure_bf16_pieces", False) for f in first)
+
+
+def test_a_resume_reads_deepspeeds_files_through_the_given_reader_and_puts_its_own_back(tmp_path):
+    # core.load_checkpoint reads a same-layout checkpoint through DeepSpeed's engine with every file memory-mapped
+    # and weights-only (safe_load.load_state_file): the engine's reader is replaced for the load, and only for it.
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from lightning_pure_bf16._internals import deepspeed_checkpoint_reads
+    from lightning_pure_bf16.safe_load import load_state_file
+
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "f.pt")
+
+    class Engine:
+        checkpoint_engine = TorchCheckpointEngine()
+
+    engine, read = Engine(), []
+    own = engine.checkpoint_engine.load
+    with deepspeed_checkpoint_reads(engine, lambda path: read.append(path) or load_state_file(path)):
+        loaded = engine.checkpoint_engine.load(str(tmp_path / "f.pt"), map_location="cpu")
+    assert read == [str(tmp_path / "f.pt")] and torch.equal(loaded["w"], torch.arange(4.0))
+    assert engine.checkpoint_engine.load == own
