@@ -39,6 +39,10 @@ CONFIGS = (
     "pure_bf16_kahan_release",
     "pure_bf16_int8_release",
     "pure_bf16_int8_kahan_release",
+    "pure_bf16_mmap_release",
+    "pure_bf16_kahan_mmap_release",
+    "pure_bf16_int8_mmap_release",
+    "pure_bf16_int8_kahan_mmap_release",
     "deepspeed_bf16_master",
     "deepspeed_bf16_mixed",
 )
@@ -53,6 +57,10 @@ LABELS = {
     "pure_bf16_kahan_release": "this strategy, Kahan, gradient release",
     "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
     "pure_bf16_int8_kahan_release": "this strategy, 8-bit moments, 8-bit Kahan remainder, gradient release",
+    "pure_bf16_mmap_release": "this strategy, stochastic rounding, states in mmap files, gradient release",
+    "pure_bf16_kahan_mmap_release": "this strategy, Kahan, states in mmap files, gradient release",
+    "pure_bf16_int8_mmap_release": "this strategy, 8-bit moments in mmap files, gradient release",
+    "pure_bf16_int8_kahan_mmap_release": "this strategy, 8-bit moments and 8-bit Kahan in mmap files, gradient release",
     "deepspeed_bf16_master": "DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 (fp32 masters and moments)",
 }
@@ -126,7 +134,7 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
             config["gradient_clipping"] = 0.0  # release refuses clipping (DeepSpeed's default is 1.0)
         rounding = "kahan" if "kahan" in name else "stochastic"
         os.makedirs(state_dir, exist_ok=True)
-        storage = {"state_storage": "mmap", "state_dir": state_dir} if name.endswith("mmap") else {}
+        storage = {"state_storage": "mmap", "state_dir": state_dir} if "_mmap" in name else {}
         if "int8" in name:
             storage["moments"] = "int8"
             if "kahan" in name:

@@ -97,6 +97,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         f"DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files (state_dir or ${STATE_DIR_ENV})",
         {"state_storage": "mmap"},
     ),
+    "deepspeed_pure_bf16_mmap_release": (
+        "DeepSpeed ZeRO-3 in pure bf16 with optimizer states in memory-mapped files and gradient release (2 bytes/param"
+        f" in memory: the bf16 weights; state_dir or ${STATE_DIR_ENV})",
+        {"state_storage": "mmap", "gradient_release": True},
+    ),
+    "deepspeed_pure_bf16_int8_mmap_release": (
+        "DeepSpeed ZeRO-3 in pure bf16 with 8-bit moments in memory-mapped files and gradient release (2 bytes/param"
+        f" in memory: the bf16 weights; state_dir or ${STATE_DIR_ENV})",
+        {"moments": "int8", "state_storage": "mmap", "gradient_release": True},
+    ),
 }
 
 
@@ -234,7 +244,7 @@ class PureBF16Settings:
             rounding, seed, backend, state_storage, self.state_dir, moments, compensation
         ).check(who)
         if gradient_release:
-            check_release_config(who, self.user_config or {}, state_storage=state_storage)
+            check_release_config(who, self.user_config or {})
         user_zero = (self.user_config or {}).get("zero_optimization", {})
         # The buckets the user left to the default: set per device once it is known.
         self.default_buckets = [
@@ -262,7 +272,7 @@ class PureBF16Settings:
         DeepSpeed's own default (1.0) is not a choice the user made, and release cannot honour it."""
         if not self.gradient_release:
             return
-        check_release_config(self.who, config, state_storage=self.state_storage)
+        check_release_config(self.who, config)
         if "gradient_clipping" not in config:
             config["gradient_clipping"] = 0.0
             rank_zero_info(

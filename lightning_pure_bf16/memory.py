@@ -43,10 +43,23 @@ MODEL_STATE_BYTES: dict[str, dict[str, float]] = {
     # state_storage="mmap": the moments (and the Kahan buffer) are in files, see STATE_FILE_BYTES.
     "pure_bf16_mmap": {"param": 2, "grad": 2},
     "pure_bf16_kahan_mmap": {"param": 2, "grad": 2},
+    # state_storage="mmap" with gradient_release=True: the bf16 weights alone (each gradient partition applied, with
+    # its states streamed from the files, as it is reduce-scattered).
+    "pure_bf16_mmap_release": {"param": 2},
+    "pure_bf16_kahan_mmap_release": {"param": 2},
+    "pure_bf16_int8_mmap_release": {"param": 2},
+    "pure_bf16_int8_kahan_mmap_release": {"param": 2},
 }
 # Bytes per trainable parameter in the memory-mapped state files (on disk, streamed through every step: read once,
 # written once).
-STATE_FILE_BYTES: dict[str, int] = {"pure_bf16_mmap": 4, "pure_bf16_kahan_mmap": 6}
+STATE_FILE_BYTES: dict[str, float] = {
+    "pure_bf16_mmap": 4,
+    "pure_bf16_kahan_mmap": 6,
+    "pure_bf16_mmap_release": 4,
+    "pure_bf16_kahan_mmap_release": 6,
+    "pure_bf16_int8_mmap_release": 2 * (1 + 2 / 128),
+    "pure_bf16_int8_kahan_mmap_release": 2 * (1 + 2 / 128) + 1,
+}
 # A frozen parameter has no gradient, master or moments: only its bf16 partition.
 FROZEN_BYTES = 2
 

@@ -52,6 +52,10 @@ STEP_TRANSIENT_BYTES = {
     "pure_bf16_kahan_release": 0.0,
     "pure_bf16_int8_release": 0.0,
     "pure_bf16_int8_kahan_release": 0.0,
+    "pure_bf16_mmap_release": 0.0,
+    "pure_bf16_kahan_mmap_release": 0.0,
+    "pure_bf16_int8_mmap_release": 0.0,
+    "pure_bf16_int8_kahan_mmap_release": 0.0,
     "deepspeed_bf16_master": 1.88,
     "deepspeed_bf16_mixed": 6.0,
 }
@@ -73,6 +77,10 @@ LABELS = {
     "pure_bf16_kahan_release": "this strategy (Kahan), gradient release",
     "pure_bf16_int8_release": "this strategy, 8-bit moments, gradient release",
     "pure_bf16_int8_kahan_release": "this strategy, 8-bit moments + 8-bit Kahan, release",
+    "pure_bf16_mmap_release": "this strategy (stochastic), states in mmap files, release",
+    "pure_bf16_kahan_mmap_release": "this strategy (Kahan), states in mmap files, release",
+    "pure_bf16_int8_mmap_release": "this strategy, 8-bit moments in mmap files, release",
+    "pure_bf16_int8_kahan_mmap_release": "this strategy, 8-bit moments + Kahan in mmap files, release",
     "deepspeed_bf16_master": "DeepSpeed bf16 masters (bf16_master_weights_and_grads)",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 mixed (fp32 masters and moments)",
 }

@@ -4,8 +4,9 @@ gradient, and no full-size gradient partition is kept (2 bytes/param less: 6 wit
 The update is elementwise and its random bits belong to the element's index in the flat sub-group partition, so
 updating a parameter's slice of the partition during the backward gives the bits the whole-partition update gives at
 the step. What needs every gradient before any update cannot be done this way and is refused at setup (gradient
-accumulation, global-norm clipping, states in files). A step cannot be skipped everywhere once parts of it are applied,
-so the rule for an inf/NaN gradient is per partition: a parameter's partition whose gradient is not finite is left as
+accumulation, global-norm clipping). With states in files (``state_storage="mmap"``) each slice's states stream from
+their files as its gradient arrives: the bf16 weights alone stay in memory, 2 bytes/param. A step cannot be skipped
+everywhere once parts of it are applied, so the rule for an inf/NaN gradient is per partition: a parameter's partition whose gradient is not finite is left as
 it is, weights and states, and the elements so left are counted and warned about.
 
 8-bit moments share one scale per :data:`QBLOCK` elements, and a block may hold the end of one parameter and the start
@@ -26,12 +27,15 @@ from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.optim import quant
 
 
-def check_release_config(who: str, config: dict[str, Any], *, state_storage: str) -> None:
+def check_release_config(who: str, config: dict[str, Any]) -> None:
     """Refuse what gradient release cannot do exactly, before anything is set up.
 
+    With ``state_storage="mmap"`` each released partition's states stream from their files as its gradient arrives,
+    so only the bf16 weights stay in memory (2 bytes/param).
+
     Raises:
-        ValueError: gradient accumulation over more than one micro-batch, gradient clipping, or states in files; each
-            message says why and what to use instead.
+        ValueError: gradient accumulation over more than one micro-batch, or gradient clipping; each message says why
+            and what to use instead.
     """
     accumulation = config.get("gradient_accumulation_steps", 1)
     if accumulation not in (None, "auto") and int(accumulation) > 1:
@@ -50,12 +54,6 @@ def check_release_config(who: str, config: dict[str, Any], *, state_storage: str
             " by `Trainer(gradient_clip_val=...)`, `TrainingArguments(max_grad_norm=...)` or"
             " `DeepSpeedPlugin(gradient_clipping=...)`). Turn clipping off (`gradient_clip_val=None`,"
             " `max_grad_norm=0`, `gradient_clipping=0`), or leave gradient release off."
-        )
-    if state_storage != "memory":
-        raise ValueError(
-            f"`{who}(gradient_release=True, state_storage={state_storage!r})` is not supported: states in files are"
-            " streamed through whole partitions in order, not parameter by parameter as gradients arrive. Keep the"
-            " states in memory, or leave gradient release off."
         )
 
 

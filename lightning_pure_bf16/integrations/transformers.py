@@ -104,7 +104,6 @@ class PureBF16TrainerMixin:
                     "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
                     "gradient_clipping": training_args.max_grad_norm,
                 },
-                state_storage=self.pure_bf16_options["state_storage"],
             )
         super().__init__(*args, **kwargs)
         # The process group TrainingArguments created is destroyed at exit if still alive (else a finished run could

@@ -603,13 +603,15 @@ class AdamW(Optimizer):
 
         The step counter is not advanced: the slices of one step all take step ``state["step"] + 1`` and give the
         bits of the whole update (the random bits belong to the element's index in ``p``); call
-        :meth:`advance_step` once the step is complete. ``p``'s state must exist (:meth:`init_states`), in memory.
-        With 8-bit moments the slice covers whole scale blocks: ``start`` is a multiple of ``QBLOCK`` and the slice
-        ends at one or at the end of ``p``.
+        :meth:`advance_step` once the step is complete. ``p``'s state must exist (:meth:`init_states`). With states
+        in files the slice's states stream as the whole tensor's do (on the CPU updated in the mapping, on a GPU
+        through the staging slots). With 8-bit moments the slice covers whole scale blocks: ``start`` is a multiple
+        of ``QBLOCK`` and the slice ends at one or at the end of ``p``.
 
         Raises:
-            RuntimeError: no state yet, or states in files (streamed in order, not by slice).
+            RuntimeError: no state yet.
             ValueError: a slice outside ``p``, or one that cuts an 8-bit scale block.
+            StateStorageError: a state file that cannot be read or written (naming it).
         """
         name = type(self).__name__
         if sharded.is_dtensor(p):
@@ -617,11 +619,6 @@ class AdamW(Optimizer):
         state = self.state.get(p, {})
         if "exp_avg" not in state:
             raise RuntimeError(f"{name}.update_slice: the tensor has no state yet; call `init_states` first.")
-        if self._store is not None:
-            raise RuntimeError(
-                f"{name}.update_slice: states in files (`state_storage='mmap'`) are streamed through whole tensors in"
-                " order; they cannot be updated slice by slice."
-            )
         end = start + grad.numel()
         if start < 0 or end > p.numel():
             raise ValueError(f"{name}.update_slice: elements [{start}, {end}) are outside a tensor of {p.numel()}.")
@@ -640,6 +637,10 @@ class AdamW(Optimizer):
         scales = {k: state[k][blocks] for k in _SCALE_KEYS if k in state}
         kahan_comp = pieces.get("kahan_comp") if group["rounding"] == "kahan" else None
         update = self._update_function(self._pick_backend(flat, grad))
+        if self._store is not None:
+            sliced = {**pieces, **scales}
+            self._update_streamed(update, flat, grad, sliced, kahan_comp is not None, args, index_base=start)
+            return
         update(flat, grad, pieces["exp_avg"], pieces["exp_avg_sq"], kahan_comp, args, index_offset=start, **scales)
 
     def advance_step(self, p: torch.Tensor) -> None:
@@ -715,6 +716,7 @@ class AdamW(Optimizer):
         state: dict[str, Any],
         kahan: bool,
         args: UpdateArgs,
+        index_base: int = 0,
     ) -> None:
         keys = ["exp_avg", "exp_avg_sq", *(["kahan_comp"] if kahan else []), *(k for k in _SCALE_KEYS if k in state)]
         states = [state[k].view(-1) for k in keys]
@@ -741,7 +743,7 @@ class AdamW(Optimizer):
         def call(param_chunk, grad_chunk, m, v, c, step_args, scales, index_offset):  # noqa: ANN001, ANN202
             update(param_chunk, grad_chunk, m, v, c, step_args, index_offset=index_offset, **scales)
 
-        streamer.update(call, p_flat, g_flat, states, forward)
+        streamer.update(call, p_flat, g_flat, states, forward, index_base)
         if not p.is_contiguous():
             p.copy_(p_flat.view(p.shape))
 

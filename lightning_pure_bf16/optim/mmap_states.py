@@ -367,16 +367,20 @@ class StateStreamer:
         grad: torch.Tensor,
         states: Sequence[torch.Tensor],
         forward: Callable[[list[torch.Tensor]], tuple[Any, ...]],
+        index_base: int = 0,
     ) -> None:
         """Run ``update`` over ``param`` chunk by chunk with the matching chunks of the file-backed ``states``.
 
         Args:
             update: called as ``update(param_chunk, grad_chunk, *forward(state_chunks), index_offset=start)``.
-            param: the flat parameter (contiguous, on ``device``).
+            param: the flat parameter (contiguous, on ``device``), or a slice of one.
             grad: the flat gradient, same length.
-            states: flat file-backed CPU buffers, one element per ``divisor`` parameter elements each.
+            states: flat file-backed CPU buffers, one element per ``divisor`` parameter elements each (sliced as
+                ``param`` is: a slice starts on a multiple of every divisor).
             forward: maps the device-side state chunks to the kernel's state arguments (inserts ``None`` for an
                 absent Kahan buffer).
+            index_base: the index of ``param``'s first element in the tensor it is a slice of, so that the random
+                bits of every element are the whole tensor's (default: 0).
         """
         n = param.numel()
         starts = list(range(0, n, self.chunk))
@@ -389,6 +393,12 @@ class StateStreamer:
         def spans(i: int) -> list[tuple[int, int]]:
             s, e = span(i)
             return [(s // d, -(-e // d)) for d in self.divisors]
+
+        if index_base:
+            inner = update
+
+            def update(*args: Any, index_offset: int) -> None:
+                inner(*args, index_offset=index_base + index_offset)
 
         if self.in_place:
             self._update_in_place(update, param, grad, states, forward, len(starts), span, spans)
