@@ -6,8 +6,9 @@ updating a parameter's slice of the partition during the backward gives the bits
 the step. What needs every gradient before any update cannot be done this way and is refused at setup (gradient
 accumulation, global-norm clipping). With states in files (``state_storage="mmap"``) each slice's states stream from
 their files as its gradient arrives: the bf16 weights alone stay in memory, 2 bytes/param. A step cannot be skipped
-everywhere once parts of it are applied, so the rule for an inf/NaN gradient is per partition: a parameter's partition whose gradient is not finite is left as
-it is, weights and states, and the elements so left are counted and warned about.
+everywhere once parts of it are applied, so the rule for an inf/NaN gradient is per partition: a parameter's partition
+whose gradient is not finite is left as it is, weights and states, and the elements so left are counted and warned
+about.
 
 8-bit moments share one scale per :data:`QBLOCK` elements, and a block may hold the end of one parameter and the start
 of the next: the parameter's whole blocks are updated at once, and its part of a shared block waits (a copy of at most
