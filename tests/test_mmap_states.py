@@ -441,3 +441,29 @@ def test_a_tampered_state_file_stops_the_step(tmp_path, tamper):
 
 def test_filesystem_type_reads_the_mount_table():
     assert mmap_states.filesystem_type("/proc/self") == "proc"
+
+
+def test_a_killed_runs_state_directory_is_named_by_the_next_run(tmp_path):
+    import subprocess
+    import sys
+
+    from lightning_pure_bf16.optim.mmap_states import left_behind
+
+    # A run killed mid-way (SIGKILL: nothing closes its files) leaves its directory behind.
+    code = (
+        "import os, signal, torch\nfrom lightning_pure_bf16 import AdamW\n"
+        "p = torch.zeros(4096, dtype=torch.bfloat16)\n"
+        f"opt = AdamW([p], state_storage='mmap', state_dir={str(tmp_path)!r})\n"
+        "opt.init_states([(p, opt.param_groups[0])])\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -9
+    (stale,) = left_behind(tmp_path)
+    q = torch.zeros(16, dtype=torch.bfloat16)
+    with pytest.warns(
+        UserWarning, match=r"1 state directory of a run that ended without closing .* hold 16384 bytes"
+    ) as seen:
+        live = AdamW([q], state_storage="mmap", state_dir=tmp_path)
+        live.init_states([(q, live.param_groups[0])])
+    assert str(stale) in str(seen[0].message)
+    assert left_behind(tmp_path) == [stale]  # this run's own directory is not named: its process is running
+    live.close()

@@ -250,6 +250,19 @@ def front_end_runs(tmp_path_factory):
     proc = run_script("fit_mlp.py", out["fit_release"], json.dumps(release_opts), PYTHONWARNINGS="default")
     fabric_run(out["fabric"], steps=4, strategy={"moments": "int8"})
     fabric_run(out["fabric_release"], steps=4, strategy="deepspeed_pure_bf16_int8_release")
+    # The same with the states in files: the Trainer's preset (its directory from the environment), Fabric's options.
+    for name in ("fit_mmap_release", "fabric_mmap_release"):
+        out[name] = tmp_path_factory.mktemp(name)
+        (out[name] / "states").mkdir()
+    mmap_opts = {**release_opts, "strategy": "deepspeed_pure_bf16_int8_mmap_release"}
+    run_script(
+        "fit_mlp.py",
+        out["fit_mmap_release"],
+        json.dumps(mmap_opts),
+        PURE_BF16_STATE_DIR=str(out["fit_mmap_release"] / "states"),
+    )
+    files = {"state_storage": "mmap", "state_dir": str(out["fabric_mmap_release"] / "states")}
+    fabric_run(out["fabric_mmap_release"], steps=4, strategy={"moments": "int8", "gradient_release": True, **files})
     return {**{name: load_ranks(path) for name, path in out.items()}, "fit_release_stderr": proc.stderr}
 
 
@@ -257,6 +270,17 @@ def test_the_trainer_and_fabric_presets_train_at_4_bytes_per_param_with_the_step
     for plain, release in (("fit", "fit_release"), ("fabric", "fabric_release")):
         for a, b in zip(front_end_runs[plain], front_end_runs[release]):
             assert b["memory_report"]["total"] == pytest.approx(2 + 2 * (1 + 2 / 128), abs=0.02)
+            assert a["losses"] == b["losses"]
+            masks = a.get("real_masks", [torch.ones(t.numel(), dtype=torch.bool) for t in a["flat_params"]])
+            for x, y, real in zip(a["flat_params"], b["flat_params"], masks):
+                assert torch.equal(x[real], y[real])
+
+
+def test_the_trainer_and_fabric_train_at_2_bytes_per_param_with_release_and_states_in_files(front_end_runs):
+    for memory, files in (("fit_release", "fit_mmap_release"), ("fabric_release", "fabric_mmap_release")):
+        for a, b in zip(front_end_runs[memory], front_end_runs[files]):
+            assert b["memory_report"]["total"] == pytest.approx(2.0, abs=0.01)  # the bf16 weights alone
+            assert b["memory_report"]["state_files"] == pytest.approx(2 * (1 + 2 / 128), abs=0.02)
             assert a["losses"] == b["losses"]
             masks = a.get("real_masks", [torch.ones(t.numel(), dtype=torch.bool) for t in a["flat_params"]])
             for x, y, real in zip(a["flat_params"], b["flat_params"], masks):

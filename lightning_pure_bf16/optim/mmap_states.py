@@ -21,6 +21,7 @@ import ctypes
 import errno
 import mmap
 import os
+import re
 import shutil
 import socket
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 # Elements per streamed chunk: 4 Mi elements = 8 MiB per bf16 buffer, large enough that each disk request and
 # host-device copy is efficient, small enough that two slots of three buffers stay under 50 MiB.
@@ -156,6 +158,7 @@ class MmapStateStore:
                 " another `state_dir`.",
             )
         if self.directory is None:
+            _warn_left_behind(self.root, self.who)
             self.directory = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{self.label}-", dir=self.root))
         created: list[int] = []
         try:
@@ -249,6 +252,41 @@ class MmapStateStore:
     def _remove(f: _StateFile) -> None:
         f.path.unlink(missing_ok=True)
         f.buffers = []
+
+
+def left_behind(root: str | os.PathLike) -> list[Path]:
+    """The state directories under ``root`` that a run on this host left when it ended without closing them (killed,
+    say, in the middle of a backward): named by a process id that is no longer running. Their states are of no use to a
+    resume (a checkpoint holds its own copy)."""
+    host = re.escape(socket.gethostname())
+    found = []
+    for path in sorted(Path(root).glob(f"{_DIR_PREFIX}*")):
+        match = re.match(rf"^{re.escape(_DIR_PREFIX)}{host}-pid(\d+)-", path.name)
+        if match and path.is_dir() and not _running(int(match.group(1))):
+            found.append(path)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
+
+
+def _warn_left_behind(root: Path, who: str) -> None:
+    stale = left_behind(root)
+    if stale:
+        held = sum(f.stat().st_size for d in stale for f in d.iterdir() if f.is_file())
+        names = ", ".join(f"'{d}'" for d in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        rank_zero_warn(  # every rank sees the same directories
+            f"`{who}`: {len(stale)} state director{'y' if len(stale) == 1 else 'ies'} of a run that ended without"
+            f" closing (killed?) hold {_size(held)} in '{root}': {names}. A checkpoint holds its own copy of the"
+            " states; delete them to free the space."
+        )
 
 
 def _size(nbytes: int) -> str:
@@ -492,6 +530,7 @@ class StateStreamer:
 
 __all__ = [
     "DEFAULT_STATE_CHUNK",
+    "left_behind",
     "MmapStateStore",
     "StateStorageError",
     "StateStreamer",
