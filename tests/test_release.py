@@ -113,11 +113,23 @@ def _files(tmp_path, name: str) -> dict:
     return {"state_storage": "mmap", "state_dir": str(tmp_path / "states" / name)}
 
 
+def _one_rank_runs(tmp_path) -> list[dict]:
+    """The 2-rank checkpoint of release with states in files resumed on 1 rank, that way and with neither."""
+    resume = str(tmp_path / "mmap_release" / "mid")
+    files = {"gradient_release": True, **_files(tmp_path, "one_rank_mmap_release")}
+    return [
+        {"name": "one_rank_mmap_release", "steps": 6, "resume": resume, "config": PARTITIONED, "options": files},
+        {"name": "one_rank_plain", "steps": 6, "resume": resume, "config": PARTITIONED},
+    ]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("release")
     run_script("ds_mlp.py", out, json.dumps({"hidden": 37, "runs": _runs(out)}))
-    return {run["name"]: load_ranks(out / run["name"]) for run in _runs(out)}
+    run_script("ds_mlp.py", out, json.dumps({"hidden": 37, "world": 1, "runs": _one_rank_runs(out)}))
+    found = {run["name"]: load_ranks(out / run["name"]) for run in _runs(out)}
+    return found | {run["name"]: load_ranks(out / run["name"], 1) for run in _one_rank_runs(out)}
 
 
 def _same_bits(a: dict, b: dict) -> None:
@@ -185,6 +197,13 @@ def test_release_with_states_in_files_resumes_bit_for_bit_across_storage(runs):
         for whole, resumed in zip(runs["plain"], runs[name]):
             assert resumed["losses"] == whole["losses"][3:], name
             _same_bits(whole, resumed)
+
+
+def test_release_with_states_in_files_resumes_on_another_world_size_as_the_step_does(runs):
+    (a,), (b,) = runs["one_rank_plain"], runs["one_rank_mmap_release"]
+    assert b["memory_report"]["total"] == pytest.approx(2.0, abs=0.01)
+    assert a["losses"] == b["losses"] and len(a["losses"]) == 3
+    _same_bits(a, b)
 
 
 def test_release_with_states_in_files_leaves_a_nonfinite_partition_as_release_in_memory_does(runs):
