@@ -80,7 +80,7 @@ LABELS = {
     "pure_bf16_mmap_release": "this strategy (stochastic), states in mmap files, release",
     "pure_bf16_kahan_mmap_release": "this strategy (Kahan), states in mmap files, release",
     "pure_bf16_int8_mmap_release": "this strategy, 8-bit moments in mmap files, release",
-    "pure_bf16_int8_kahan_mmap_release": "this strategy, 8-bit moments + Kahan in mmap files, release",
+    "pure_bf16_int8_kahan_mmap_release": "this strategy, 8-bit moments + Kahan in files, release",
     "deepspeed_bf16_master": "DeepSpeed bf16 masters (bf16_master_weights_and_grads)",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 mixed (fp32 masters and moments)",
 }

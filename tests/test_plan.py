@@ -31,6 +31,10 @@ def test_70b_on_8x80gb():
         "pure_bf16_kahan_release": 8.0,
         "pure_bf16_int8_release": 4.0 + 4 / 128,
         "pure_bf16_int8_kahan_release": 5.0 + 4 / 128,
+        "pure_bf16_mmap_release": 2.0,
+        "pure_bf16_kahan_mmap_release": 2.0,
+        "pure_bf16_int8_mmap_release": 2.0,
+        "pure_bf16_int8_kahan_mmap_release": 2.0,
     }
     assert p.per_gpu_model_state_gib["pure_bf16_stochastic"] == pytest.approx(70e9 * 8 / 8 / GIB)
     # With the default margin (15%, 12 GiB for activations) 8 bytes/param is just over 80 GiB; 8-bit moments fit.
@@ -38,6 +42,21 @@ def test_70b_on_8x80gb():
     # An 80-layer model whose activations take 8 GiB fits at 8 bytes/param; DeepSpeed's bf16 mixed never does.
     tight = plan(70e9, 8, 80, layers=80, activation_margin_gib=8)
     assert tight.fits["pure_bf16_stochastic"] and not tight.fits["deepspeed_bf16_mixed"]
+
+
+def test_70b_trains_on_8x40gb_with_the_weights_alone_on_the_gpus():
+    # Gradient release with the states in files: 2 B/param on the device. With the 80 layers gathered one at a time
+    # and the default margin (6 GiB of 40), every such row fits 8 x 40 GB; the mmap preset without release and 8-bit
+    # moments with release (4 B/param) do not.
+    p = plan(70e9, 8, 40, layers=80, disk_gbps=5.0)
+    for config in ("pure_bf16_mmap_release", "pure_bf16_int8_mmap_release", "pure_bf16_kahan_mmap_release"):
+        assert p.per_gpu_model_state_gib[config] == pytest.approx(70e9 * 2 / 8 / GIB)
+        assert p.fits[config], config
+    assert not p.fits["pure_bf16_mmap"] and not p.fits["pure_bf16_int8_release"]
+    # The states' traffic per step: 8-bit moments stream about half of what bf16 ones do.
+    files = p.state_files_per_node_gib
+    assert files["pure_bf16_int8_mmap_release"] == pytest.approx(files["pure_bf16_mmap_release"] * (1 + 2 / 128) / 2)
+    assert p.disk_seconds_per_step["pure_bf16_mmap_release"] == pytest.approx(2 * 70e9 * 4 / 5e9)
 
 
 def test_the_step_and_one_layer_are_counted():
