@@ -170,6 +170,8 @@ PLANNER_CONFIG = {
     "pure_bf16_mmap": "pure_bf16_mmap",
     "pure_bf16_release": "pure_bf16_release",
     "pure_bf16_int8_release": "pure_bf16_int8_release",
+    "pure_bf16_mmap_release": "pure_bf16_mmap_release",
+    "pure_bf16_int8_mmap_release": "pure_bf16_int8_mmap_release",
     "pure_bf16_next": "pure_bf16_stochastic",
     "pure_bf16_keep": "pure_bf16_stochastic",
     "pure_bf16_auto": "pure_bf16_stochastic",

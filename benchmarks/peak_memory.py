@@ -48,6 +48,9 @@ ARMS = {
     # Gradient release: no gradient partition; each partition updated as its gradient is reduce-scattered.
     "release": {"gradient_release": True},
     "int8_release": {"moments": "int8", "gradient_release": True},
+    # Both: the states in files, streamed as each gradient arrives; the bf16 weights alone in memory.
+    "mmap_release": {"state_storage": "mmap", "gradient_release": True},
+    "int8_mmap_release": {"moments": "int8", "state_storage": "mmap", "gradient_release": True},
     "int8_kahan": {"moments": "int8", "rounding": "kahan", "compensation": "int8"},
     # The default before the gather cache was bounded: DeepSpeed's own cache of gathered layers.
     "stochastic_keep": {"gather_cache": "keep"},
@@ -187,7 +190,7 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layer
         options = dict(ARMS[arm])
         if config:
             options["config"] = config
-        if arm == "mmap":
+        if options.get("state_storage") == "mmap":
             options["state_dir"] = str(out / "states")
             (out / "states").mkdir(exist_ok=True)
         strategy = DeepSpeedPureBF16Strategy(**options)
