@@ -133,24 +133,30 @@ def test_hf_trainer_and_accelerate_on_one_gpu(tmp_path, front):
 @pytest.mark.parametrize("options", [{}, {"moments": "int8"}])
 def test_gradient_release_on_one_gpu_gives_the_steps_bits(tmp_path, options):
     # The update runs on the stream DeepSpeed reduces on, slice by slice (Triton launches at odd offsets; 8-bit blocks
-    # shared between parameters wait for their neighbours): against the same run without release, in one process.
+    # shared between parameters wait for their neighbours), its states in memory or in files: against the same run
+    # without release, in one process.
     import json
 
     from tests.strategy_runs import run_script
 
+    (tmp_path / "states").mkdir()
+    files = {"state_storage": "mmap", "state_dir": str(tmp_path / "states")}
     runs = [
         {"name": "plain", "steps": 4, "config": {"gradient_clipping": 0.0}, "options": options},
         {"name": "release", "steps": 4, "options": {**options, "gradient_release": True}},
+        # The states in files, streamed through the pinned slots as each slice's gradient arrives.
+        {"name": "mmap_release", "steps": 4, "options": {**options, "gradient_release": True, **files}},
     ]
     run_script("ds_mlp.py", tmp_path, json.dumps({"world": 1, "hidden": 37, "runs": runs}), DS_ACCELERATOR="cuda")
     (a,) = load_ranks(tmp_path / "plain", world_size=1)
-    (b,) = load_ranks(tmp_path / "release", world_size=1)
-    expected = 4.03 if options else 6.0
-    assert b["memory_report"]["total"] == pytest.approx(expected, abs=0.01) and b["memory_report"]["grad"] == 0
-    assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in b["flat_params"])
-    assert a["losses"] == b["losses"]
-    for x, y, real in zip(a["flat_params"], b["flat_params"], a["real"]):
-        assert torch.equal(x[real.to(x.device)], y[real.to(y.device)])
-    for sa, sb in zip(a["state"].values(), b["state"].values()):
-        for key in sa:
-            assert torch.equal(sa[key], sb[key]), key
+    expected = {"release": 4.03 if options else 6.0, "mmap_release": 2.0}
+    for name, total in expected.items():
+        (b,) = load_ranks(tmp_path / name, world_size=1)
+        assert b["memory_report"]["total"] == pytest.approx(total, abs=0.01) and b["memory_report"]["grad"] == 0
+        assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in b["flat_params"])
+        assert a["losses"] == b["losses"], name
+        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real"]):
+            assert torch.equal(x[real.to(x.device)], y[real.to(y.device)]), name
+        for sa, sb in zip(a["state"].values(), b["state"].values()):
+            for key in sa:
+                assert torch.equal(sa[key].cpu(), sb[key].cpu()), (name, key)
