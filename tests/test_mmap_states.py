@@ -161,7 +161,7 @@ def test_cpu_updates_in_the_mapping_with_each_chunk_brought_in_first(tmp_path, m
     calls = []
     real = mmap_states.StateStreamer.update
 
-    def spy(self, update, param, grad, states, forward):  # noqa: ANN001, ANN202
+    def spy(self, update, param, grad, states, forward, index_base=0):  # noqa: ANN001, ANN202
         def record(param_chunk, grad_chunk, *rest, index_offset):  # noqa: ANN001, ANN202
             m = forward_args[0]
             calls.append((m.data_ptr(), m.numel(), index_offset))
@@ -172,7 +172,7 @@ def test_cpu_updates_in_the_mapping_with_each_chunk_brought_in_first(tmp_path, m
             return forward(chunks)
 
         forward_args: list = []
-        return real(self, record, param, grad, states, fwd)
+        return real(self, record, param, grad, states, fwd, index_base)
 
     monkeypatch.setattr(mmap_states.StateStreamer, "update", spy)
     p.grad = torch.randn(5000).to(torch.bfloat16)
