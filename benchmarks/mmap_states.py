@@ -145,15 +145,31 @@ def resident_fraction(opt: AdamW) -> float:
     return resident / max(total, 1)
 
 
-def time_steps(opt: AdamW, param: torch.Tensor, repeats: int, *, cold: bool = False, sync: bool = False):
+def time_steps(
+    opt: AdamW, param: torch.Tensor, repeats: int, *, cold: bool = False, sync: bool = False, slices: int = 0
+):
     """Median milliseconds of ``opt.step()`` (plus the files' ``fsync`` with ``sync``), and the mean page-cache
     residency of the state files before the steps (``None`` for in-memory states).
 
     Args:
         cold: write back and drop the state files from the page cache before each step (untimed).
         sync: end each timed step with ``fsync`` of the state files.
+        slices: apply each step as this many slices of the tensor, one after the other, as gradient release applies
+            a partition's parameters while their gradients arrive (``AdamW.update_slice``; 0: one ``step()``).
     """
     device = param.device
+    if slices:
+        group = opt.param_groups[0]
+        opt.init_states([(param, group)])
+        grad = param.grad
+        cuts = [param.numel() * i // slices // 128 * 128 for i in range(slices)] + [param.numel()]
+
+        def step() -> None:
+            for lo, hi in zip(cuts, cuts[1:]):
+                opt.update_slice(param, group, grad[lo:hi], lo)
+            opt.advance_step(param)
+
+        opt.step = step  # type: ignore[method-assign]
     opt.step()  # first step: allocation, compilation
     times, residency = [], []
     for _ in range(repeats):
@@ -172,22 +188,30 @@ def time_steps(opt: AdamW, param: torch.Tensor, repeats: int, *, cold: bool = Fa
     return times[len(times) // 2] * 1e3, (sum(residency) / len(residency) if residency else None)
 
 
+RELEASE_SLICES = 64  # a partition of 2**26 elements as 64 parameters of 2**20
+
+
 def measure(rounding: str, n: int, device: torch.device, state_dir: str, repeats: int) -> dict[str, tuple]:
     """Step time (ms) and residency of each case for one rounding mode."""
     g = torch.Generator().manual_seed(0)
     init = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16).to(device)
     grad = (torch.randn(n, generator=g) * 1e-3).to(torch.bfloat16).to(device)
     results = {}
-    for case, storage, cold, sync in (
-        ("in memory", {}, False, False),
-        ("mmap, hot", {"state_storage": "mmap", "state_dir": state_dir}, False, False),
-        ("mmap, cold", {"state_storage": "mmap", "state_dir": state_dir}, True, False),
-        ("mmap, cold + sync", {"state_storage": "mmap", "state_dir": state_dir}, True, True),
+    files = {"state_storage": "mmap", "state_dir": state_dir}
+    for case, storage, cold, sync, slices in (
+        ("in memory", {}, False, False, 0),
+        ("mmap, hot", files, False, False, 0),
+        ("mmap, cold", files, True, False, 0),
+        ("mmap, cold + sync", files, True, True, 0),
+        # Gradient release: the partition applied as 64 slices, its states in memory or streamed from the files.
+        ("release, in memory", {}, False, False, RELEASE_SLICES),
+        ("release, mmap, hot", files, False, False, RELEASE_SLICES),
+        ("release, mmap, cold", files, True, False, RELEASE_SLICES),
     ):
         p = init.clone().requires_grad_()
         p.grad = grad.clone()
         opt = AdamW([p], lr=1e-4, rounding=rounding, seed=0, **storage)
-        results[case] = time_steps(opt, p, repeats, cold=cold, sync=sync)
+        results[case] = time_steps(opt, p, repeats, cold=cold, sync=sync, slices=slices)
         opt.close()
         print(f"{rounding:10s} {case:18s} {results[case][0]:9.1f} ms", file=sys.stderr)
     return results
@@ -219,9 +243,16 @@ def main(argv: list[str] | None = None) -> int:
         for rounding in ("stochastic", "kahan"):
             state_bytes = n * 2 * (3 if rounding == "kahan" else 2)
             results = measure(rounding, n, device, tmp, repeats)
-            memory_ms = results["in memory"][0]
+            memory = {
+                case: results["release, in memory" if case.startswith("release") else "in memory"][0]
+                for case in results
+            }
             read_bound = state_bytes / (read_bw * 1e9) * 1e3
-            bounds = {"mmap, cold": read_bound, "mmap, cold + sync": read_bound + state_bytes / (write_bw * 1e9) * 1e3}
+            bounds = {
+                "mmap, cold": read_bound,
+                "mmap, cold + sync": read_bound + state_bytes / (write_bw * 1e9) * 1e3,
+                "release, mmap, cold": read_bound,
+            }
             for case, (ms, res) in results.items():
                 bound = bounds.get(case)
                 rows.append(
@@ -231,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                         "elements": n,
                         "state_bytes": state_bytes,
                         "step_ms": round(ms, 2),
-                        "vs_in_memory": round(ms / memory_ms, 2),
+                        "vs_in_memory": round(ms / memory[case], 2),  # release rows: vs release in memory
                         "disk_bound_ms": round(bound, 2) if bound is not None else "",
                         "vs_disk_bound": round(ms / bound, 2) if bound is not None else "",
                         "resident_before_step": round(res, 3) if res is not None else "",
@@ -254,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         f" write {write_bw:.2f} GB/s ({probe_bytes // 1024**2} MiB, overwrite + fsync, reads after dropping the file"
         " from the page cache). Median of the timed steps. Residency: fraction of the files' pages in"
         " the page cache just before the step (mincore). Disk bound: bytes read / read bandwidth (cold), plus bytes"
-        " written / write bandwidth (cold + sync).",
+        " written / write bandwidth (cold + sync). Release rows: the step applied as"
+        f" {RELEASE_SLICES} slices one after the other (``AdamW.update_slice``, as gradient release applies a"
+        " partition's parameters), against release with the states in memory.",
         "",
         "| rounding | states | step ms | vs in memory | disk bound ms | vs disk bound | resident before step |",
         "|---|---|---:|---:|---:|---:|---:|",
