@@ -154,8 +154,9 @@ def time_steps(
     Args:
         cold: write back and drop the state files from the page cache before each step (untimed).
         sync: end each timed step with ``fsync`` of the state files.
-        slices: apply each step as this many slices of the tensor, one after the other, as gradient release applies
-            a partition's parameters while their gradients arrive (``AdamW.update_slice``; 0: one ``step()``).
+        slices: apply each step as this many slices of the tensor, the last first, as gradient release applies a
+            partition's parameters while the backward brings their gradients (``AdamW.update_slice``; 0: one
+            ``step()``).
     """
     device = param.device
     if slices:
@@ -165,7 +166,8 @@ def time_steps(
         cuts = [param.numel() * i // slices // 128 * 128 for i in range(slices)] + [param.numel()]
 
         def step() -> None:
-            for lo, hi in zip(cuts, cuts[1:]):
+            # Last slice first, as the backward reaches a partition's parameters in the reverse of their order.
+            for lo, hi in reversed(list(zip(cuts, cuts[1:]))):
                 opt.update_slice(param, group, grad[lo:hi], lo)
             opt.advance_step(param)
 
@@ -286,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         " from the page cache). Median of the timed steps. Residency: fraction of the files' pages in"
         " the page cache just before the step (mincore). Disk bound: bytes read / read bandwidth (cold), plus bytes"
         " written / write bandwidth (cold + sync). Release rows: the step applied as"
-        f" {RELEASE_SLICES} slices one after the other (``AdamW.update_slice``, as gradient release applies a"
-        " partition's parameters), against release with the states in memory.",
+        f" {RELEASE_SLICES} slices, the last first (``AdamW.update_slice``, as gradient release applies a partition's"
+        " parameters in the backward's order), against release with the states in memory.",
         "",
         "| rounding | states | step ms | vs in memory | disk bound ms | vs disk bound | resident before step |",
         "|---|---|---:|---:|---:|---:|---:|",
