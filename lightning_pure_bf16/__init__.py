@@ -1,10 +1,10 @@
 """Pure-bf16 training for PyTorch Lightning: bf16 parameters, gradients and optimizer states, no fp32 master copy.
 
 Importing the package registers ``"deepspeed_pure_bf16"`` and its presets (``_kahan``, ``_int8``, ``_int8_kahan``,
-``_mmap``) with Lightning's Trainer and with Fabric, so ``Trainer(strategy="deepspeed_pure_bf16")`` and
-``Fabric(strategy="deepspeed_pure_bf16")`` work in any script or LightningCLI config that imports it; and
-``"fsdp2_pure_bf16"`` (with ``_kahan``, ``_int8``, ``_int8_kahan``) with the Trainer, for models that shard themselves
-with PyTorch FSDP2.
+``_release``, ``_int8_release``, ``_mmap``, ``_mmap_release``, ``_int8_mmap_release``) with Lightning's Trainer and
+with Fabric, so ``Trainer(strategy="deepspeed_pure_bf16")`` and ``Fabric(strategy="deepspeed_pure_bf16")`` work in any
+script or LightningCLI config that imports it; and ``"fsdp2_pure_bf16"`` (with ``_kahan``, ``_int8``, ``_int8_kahan``,
+``_release``, ``_int8_release``) with the Trainer, for models that shard themselves with PyTorch FSDP2.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
