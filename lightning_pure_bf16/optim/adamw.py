@@ -41,6 +41,7 @@ from lightning_pure_bf16.optim.mmap_states import (
     MmapStateStore,
     StateStreamer,
     check_state_dir,
+    read_ahead,
 )
 from lightning_pure_bf16.optim.options import (
     BACKENDS,
@@ -638,6 +639,11 @@ class AdamW(Optimizer):
         kahan_comp = pieces.get("kahan_comp") if group["rounding"] == "kahan" else None
         update = self._update_function(self._pick_backend(flat, grad))
         if self._store is not None:
+            # The backward reaches a partition's parameters in the reverse of their order, and the kernel's readahead
+            # follows a file forward: the states just before this slice are asked for now (asynchronously), to be read
+            # from the disk while this slice is updated.
+            ahead = max(0, start - (end - start))
+            read_ahead([state[k].view(-1)[ahead:start] for k in _BUFFER_KEYS if k in state])
             sliced = {**pieces, **scales}
             self._update_streamed(update, flat, grad, sliced, kahan_comp is not None, args, index_base=start)
             return

@@ -351,6 +351,15 @@ def prefault(t: torch.Tensor) -> None:
     _madvise(t, _MADV_WILLNEED)
 
 
+def read_ahead(pieces: Sequence[torch.Tensor]) -> None:
+    """Ask the kernel to read ``pieces`` of the state files' mappings in the background (``MADV_WILLNEED``), for an
+    update expected to need them next; returns at once. A page that cannot be read is reported by the update."""
+    if _LINUX:
+        for piece in pieces:
+            if piece.numel():
+                _madvise(piece, _MADV_WILLNEED)
+
+
 class StateStreamer:
     """Two staging slots and the reader/writer threads that stream state chunks between the files and the device.
 
@@ -531,6 +540,7 @@ class StateStreamer:
 __all__ = [
     "DEFAULT_STATE_CHUNK",
     "left_behind",
+    "read_ahead",
     "MmapStateStore",
     "StateStorageError",
     "StateStreamer",
