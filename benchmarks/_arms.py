@@ -135,25 +135,39 @@ HELD = ("RssAnon", "RssShmem")
 
 
 class _PeakSampler:
-    """The largest :data:`HELD` resident memory of this process, sampled every millisecond by a thread."""
+    """The largest :data:`HELD` resident memory of this process, sampled every millisecond by a thread; ``reset``
+    starts a new peak (``benchmarks/lifecycle_memory.py``: one per phase)."""
 
     def __init__(self) -> None:
         import threading
 
         self.peak = _status_bytes("self", *HELD)
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _status_bytes("self", *HELD))
+            held = _status_bytes("self", *HELD)
+            with self._lock:  # a sample taken before a reset never lands after it
+                self.peak = max(self.peak, held)
             time.sleep(0.001)
+
+    def reset(self) -> int:
+        """Start a new peak from the memory held now, which it returns."""
+        with self._lock:
+            self.peak = _status_bytes("self", *HELD)
+            return self.peak
+
+    def current_peak(self) -> int:
+        with self._lock:
+            return max(self.peak, _status_bytes("self", *HELD))
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        return max(self.peak, _status_bytes("self", *HELD))
+        return self.current_peak()
 
 
 def _free_port() -> int:
@@ -162,16 +176,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def ranks_environment(spec: Spec) -> dict:
+    """The environment of every rank of a launch on this machine (``RANK`` and ``LOCAL_RANK`` are added per rank)."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(spec.world_size),
+        "NODE_RANK": "0",
+        "PYTHONWARNINGS": "ignore",
+        "DS_ACCELERATOR": "cuda" if spec.device == "cuda" else "cpu",
+    }
+
+
+def start_ranks(cmd: list[str], env: dict, logs: list[Path], procs: list) -> None:
+    """Start ``cmd`` once per rank (one per file of ``logs``, its output there), appending ``(process, log file)`` to
+    ``procs``; the caller closes the files."""
+    for rank, path in enumerate(logs):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        log = open(path, "w")  # noqa: SIM115 - closed by the caller
+        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+
+
 def _start_and_watch(
     arm: str, spec: Spec, env: dict, tmp: str, budget_bytes: int | None, timeout_s: float, procs: list
 ) -> tuple[str, int]:
     """Start the ranks (appended to ``procs``) and wait for them; stop them all when the budget or the time runs out.
     Returns why they were stopped ("" when they finished by themselves) and the largest summed memory sampled."""
-    for rank in range(spec.world_size):
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        cmd = [sys.executable, __file__, arm, json.dumps(asdict(spec)), tmp]
-        log = open(Path(tmp) / f"log{rank}.txt", "w")  # noqa: SIM115 - closed by launch
-        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+    cmd = [sys.executable, __file__, arm, json.dumps(asdict(spec)), tmp]
+    start_ranks(cmd, env, [Path(tmp) / f"log{rank}.txt" for rank in range(spec.world_size)], procs)
     why, sampled_peak, start = "", 0, time.monotonic()
     while any(p.poll() is None for p, _ in procs):
         if spec.device == "cpu":
@@ -201,15 +234,7 @@ def launch(arm: str, spec: Spec, *, budget_bytes: int | None = None, timeout_s: 
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix=f"arm_{arm}_") as tmp:
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": str(spec.world_size),
-            "NODE_RANK": "0",
-            "PYTHONWARNINGS": "ignore",
-            "DS_ACCELERATOR": "cuda" if spec.device == "cuda" else "cpu",
-        }
+        env = ranks_environment(spec)
         if budget_bytes is not None:
             env["ARM_BUDGET_BYTES"] = str(budget_bytes)
         # A terminated search (timeout, Ctrl-C) takes its ranks with it.

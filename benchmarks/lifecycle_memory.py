@@ -43,14 +43,24 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _arms import HELD, ROOT, Spec, _batches, _deepspeed_config, _free_port, _gpt, _status_bytes  # noqa: E402
+from _arms import (  # noqa: E402
+    HELD,
+    ROOT,
+    Spec,
+    _batches,
+    _deepspeed_config,
+    _gpt,
+    _PeakSampler,
+    _status_bytes,
+    ranks_environment,
+    start_ranks,
+)
 from _results import write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -63,22 +73,11 @@ MB = 10**6
 
 
 class _Phases:
-    """Per phase: the held memory at its start, its peak (a thread samples every millisecond) and at its end."""
+    """Per phase: the held memory at its start, its peak (sampled every millisecond) and at its end."""
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
-        self._peak = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            held = _status_bytes("self", *HELD)
-            with self._lock:  # never a peak of the phase before written back over this phase's reset
-                self._peak = max(self._peak, held)
-            time.sleep(0.001)
+        self._sampler = _PeakSampler()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -89,15 +88,12 @@ class _Phases:
         gc.collect()
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the allocator kept from earlier phases goes back first
-        with self._lock:
-            start = _status_bytes("self", *HELD)
-            self._peak = start
+        start = self._sampler.reset()
         t0 = time.perf_counter()
         yield
         if dist.is_initialized():
             dist.barrier()
-        with self._lock:
-            peak = max(self._peak, _status_bytes("self", *HELD))
+        peak = self._sampler.current_peak()
         self.rows.append(
             {
                 "phase": name,
@@ -109,8 +105,7 @@ class _Phases:
         )
 
     def stop(self) -> list[dict]:
-        self._stop.set()
-        self._thread.join()
+        self._sampler.stop()
         return self.rows
 
 
@@ -204,29 +199,12 @@ def _write_pretrained(spec: Spec, where: Path, shard: str) -> None:
 
 
 def _launch(arm: str, spec: Spec, work: Path, shard: str, timeout_s: float) -> list[list[dict]]:
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(spec.world_size),
-        "NODE_RANK": "0",
-        "PYTHONWARNINGS": "ignore",
-        "DS_ACCELERATOR": "cpu",
-    }
-    procs = []
-    for rank in range(spec.world_size):
-        log = open(work / f"{arm}_log{rank}.txt", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, __file__, "--worker", arm, json.dumps(asdict(spec)), str(work), shard]
-        procs.append(
-            (
-                subprocess.Popen(
-                    cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT
-                ),
-                log,
-            )
-        )
+    procs: list = []
+    cmd = [sys.executable, __file__, "--worker", arm, json.dumps(asdict(spec)), str(work), shard]
+    logs = [work / f"{arm}_log{rank}.txt" for rank in range(spec.world_size)]
     deadline = time.monotonic() + timeout_s
     try:
+        start_ranks(cmd, ranks_environment(spec), logs, procs)
         for p, _ in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:

@@ -317,6 +317,12 @@ def _gathered_pieces(tensor: torch.Tensor, numel: int) -> Iterator[torch.Tensor]
         left -= take
 
 
+def _own_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A tensor every rank holds whole (a buffer, a parameter outside ZeRO-3): the first rank's copy."""
+    if _is_first_rank():
+        yield tensor.detach().reshape(-1).cpu()
+
+
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The model inside what ``fabric.setup`` or ``deepspeed.initialize`` returned, named as the user built it."""
     from deepspeed import DeepSpeedEngine
@@ -349,7 +355,7 @@ def partition_sources(module: nn.Module, names: Sequence[str] | None = None) -> 
         if hasattr(tensor, "ds_id"):
             read = functools.partial(_gathered_pieces, tensor, math.prod(shape))
         else:
-            read = functools.partial(lambda t: iter([t.detach().reshape(-1).cpu()] if _is_first_rank() else []), tensor)
+            read = functools.partial(_own_pieces, tensor)
         sources.append(TensorSource(name, shape, tensor.dtype, read))
     return sources
 
