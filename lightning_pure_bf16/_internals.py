@@ -74,6 +74,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_STAGE3, "_create_fp32_partitions", "method", "wrapped to alias the master partition", ("self",)),
     PrivateName(_STAGE3, "device", "attribute", "the string compared in _create_fp32_partitions (aliasing fix)"),
     PrivateName(_STAGE3, "offload_optimizer", "attribute", "aliasing applies only without optimizer offload"),
+    PrivateName(_STAGE3, "swap_optimizer", "attribute", "release skips the setup's zero gradient (no swap)"),
     PrivateName(_STAGE3, "fp16_partitioned_groups_flat", "attribute", "the bf16 parameter partitions (memory report)"),
     PrivateName(_STAGE3, "fp32_partitioned_groups_flat", "attribute", "the master partitions the optimizer updates"),
     PrivateName(_STAGE3, "sub_group_to_group_id", "attribute", "maps each flat partition to its param group"),
@@ -393,6 +394,14 @@ COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
         "ours": "_internals.step_without_update (gradient release: its bookkeeping without the update)",
         "tested": {"deepspeed 0.19.8": "ece97b149cac56f4"},
     },
+    f"{_STAGE3}._setup_for_real_optimizer": {
+        "ours": "_internals._without_gradient_buffers (release: the flat gradient partition on the meta device)",
+        "tested": {"deepspeed 0.19.8": "6e4cbe50d8f3e602"},
+    },
+    f"{_STAGE3}.initialize_optimizer_states": {
+        "ours": "_internals._without_gradient_buffers (skipped without offload, swapping or Adagrad under release)",
+        "tested": {"deepspeed 0.19.8": "e8e7178f3b0dffcc"},
+    },
     f"{_STAGE3}.partition_grads": {
         "ours": "_internals.release_gradient_partitions (gradient release: what it frees and its test for data)",
         "tested": {"deepspeed 0.19.8": "97f5aff810864920"},
@@ -496,8 +505,13 @@ def set_deepspeed_accelerator(device_type: str) -> None:
 
 
 @contextmanager
-def alias_bf16_master_partitions() -> Iterator[None]:
-    """Within this context, ZeRO-3 uses the bf16 parameter partitions themselves as its bf16 master partitions."""
+def alias_bf16_master_partitions(gradient_release: bool = False) -> Iterator[None]:
+    """Within this context, ZeRO-3 uses the bf16 parameter partitions themselves as its bf16 master partitions.
+
+    With ``gradient_release``, ZeRO-3's construction also leaves out the two gradient-sized buffers that release
+    never uses (:func:`_without_gradient_buffers`): without it, construction holds 2 bytes per parameter of the rank
+    more than the steps that follow, and sets the largest model that fits.
+    """
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
@@ -514,9 +528,54 @@ def alias_bf16_master_partitions() -> Iterator[None]:
 
     DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create_fp32_partitions
     try:
-        yield
+        if gradient_release:
+            with _without_gradient_buffers(DeepSpeedZeroOptimizer_Stage3):
+                yield
+        else:
+            yield
     finally:
         DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = original
+
+
+@contextmanager
+def _without_gradient_buffers(stage3: Any) -> Iterator[None]:
+    """ZeRO-3's ``_setup_for_real_optimizer`` without its two gradient buffers, for gradient release.
+
+    Upstream (fingerprinted in :data:`COPIED_UPSTREAM`), ``initialize_optimizer_states`` allocates a zero gradient
+    the size of the largest sub-group, hangs views of it on the master partitions and takes them off again (without
+    offload or swapping, and for any optimizer but Adagrad, that is all it does: this package's optimizer allocates
+    its states itself); then ``_setup_for_real_optimizer`` allocates the flat gradient partition (2 bytes per
+    parameter of the rank), which :func:`release_gradient_partitions` frees again. Both buffers are at their full size
+    while the gradient hooks gather each parameter once, the peak of construction. Here the first is skipped in that
+    case, and the second is allocated on the meta device (ZeRO-3's ``self.device`` is the meta device between the two
+    calls, and its own again after), so neither takes memory. Where offload, swapping or Adagrad is in use, both run
+    as upstream does.
+    """
+    setup, initialize = stage3._setup_for_real_optimizer, stage3.initialize_optimizer_states
+    device_during_setup: dict[int, Any] = {}
+
+    @functools.wraps(initialize)
+    def initialize_optimizer_states(self: Any) -> None:
+        if self.offload_optimizer or self.swap_optimizer or isinstance(self.optimizer, torch.optim.Adagrad):
+            initialize(self)
+            return
+        device_during_setup[id(self)] = self.device
+        self.device = torch.device("meta")
+
+    @functools.wraps(setup)
+    def setup_for_real_optimizer(self: Any) -> None:
+        try:
+            setup(self)
+        finally:
+            if id(self) in device_during_setup:
+                self.device = device_during_setup.pop(id(self))
+
+    stage3._setup_for_real_optimizer = setup_for_real_optimizer
+    stage3.initialize_optimizer_states = initialize_optimizer_states
+    try:
+        yield
+    finally:
+        stage3._setup_for_real_optimizer, stage3.initialize_optimizer_states = setup, initialize
 
 
 def _gradient_view(grads: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor | None:
@@ -948,7 +1007,8 @@ def release_gradient_partitions(
         return []
 
     zero_optimizer.partition_grads = partition_grads
-    empty = buffer.new_empty(0) if buffer is not None else torch.empty(0)
+    # A real device's empty tensor, also where construction left the buffer on the meta device.
+    empty = torch.empty(0, dtype=buffer.dtype if buffer is not None else torch.bfloat16, device=zero_optimizer.device)
     freed = ref(buffer) if buffer is not None else (lambda: None)
     zero_optimizer.grad_partitions_flat_buffer = empty
     for key in views:

@@ -387,7 +387,7 @@ def initialize_engine(
         settings.check_engine_config(config)
 
     model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-    with _internals.alias_bf16_master_partitions():
+    with _internals.alias_bf16_master_partitions(gradient_release=settings is not None and settings.gradient_release):
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             args=argparse.Namespace(device_rank=rank),
             config=config,

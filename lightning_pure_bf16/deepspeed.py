@@ -229,7 +229,7 @@ def initialize(
     if on_cpu:
         settings.prepare_cpu_loop(local_rank, lambda name: dist.barrier())
     kwargs.setdefault("dist_init_required", False)
-    with _internals.alias_bf16_master_partitions():
+    with _internals.alias_bf16_master_partitions(gradient_release=gradient_release):
         engine, _, loader, scheduler = _internals.deepspeed_initialize()(
             args=args,
             model=model,

@@ -179,6 +179,7 @@ class GradientRelease:
         for (sub_group, k), entry in sorted(self._pending.items()):
             self._finish_block(sub_group, k * self.block, entry)
         self._pending.clear()
+        self.optimizer.wait_for_state_writes()  # states in files: the step ends with them in the files
         for flat, _ in self.sub_groups:
             self.optimizer.advance_step(flat)
         _internals.mark_optimizer_stepped(self.optimizer)  # the step happened, in slices: a scheduler may follow it

@@ -190,6 +190,54 @@ def test_cpu_updates_in_the_mapping_with_each_chunk_brought_in_first(tmp_path, m
     opt.close()
 
 
+def _toy_update(param, grad, m, v, *, index_offset):  # noqa: ANN001, ANN202
+    """A stand-in for the kernel: reads and writes every state chunk, depends on the element index."""
+    m.mul_(0.5).add_(grad)
+    v.mul_(0.25).add_(grad * grad)
+    param.sub_(m + v * 1e-3 + index_offset * 1e-6)
+
+
+def test_the_staged_pipeline_gives_the_in_place_bits_and_writes_back_after_update_returns(tmp_path):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    specs = ((torch.bfloat16, 1), (torch.bfloat16, 1))
+    g = torch.Generator().manual_seed(3)
+    param0, m0, v0 = (torch.randn(5000, generator=g).to(torch.bfloat16) for _ in range(3))
+    grads = [torch.randn(5000, generator=g).to(torch.bfloat16) for _ in range(2)]
+    results = {}
+    for staged in (False, True):  # the CUDA path's pipeline (pinned slots, writer thread) run on the CPU
+        streamer = mmap_states.StateStreamer(torch.device("cpu"), specs, CHUNK, staged=staged)
+        param, m, v = param0.clone(), m0.clone(), v0.clone()
+        # A whole tensor in five chunks, then a slice of it (as gradient release applies one) with its index base.
+        streamer.update(_toy_update, param, grads[0], [m, v], tuple, 0)
+        streamer.update(_toy_update, param[1536:4000], grads[1][1536:4000], [m[1536:4000], v[1536:4000]], tuple, 1536)
+        streamer.wait_for_writes()
+        results[staged] = (param, m, v)
+        streamer.close()
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+
+    # update returns before its last chunk is back in the file: the caller (the backward) goes on meanwhile. (Held
+    # back for at most 10 s: an update that waited for its writes would return after that, written, and fail below.)
+    streamer = mmap_states.StateStreamer(torch.device("cpu"), specs, CHUNK, staged=True)
+    gate, writer = threading.Event(), ThreadPoolExecutor(1)
+    streamer.writer.shutdown()
+    held = type("Gated", (), {"submit": lambda _, fn, *a: writer.submit(lambda: (gate.wait(10), fn(*a))[1])})
+    streamer.writer = held()
+    param, m, v = param0[:CHUNK].clone(), m0[:CHUNK].clone(), v0[:CHUNK].clone()
+    streamer.update(_toy_update, param, grads[0][:CHUNK], [m, v], tuple, 0)
+    assert torch.equal(m, m0[:CHUNK]) and not torch.equal(param, param0[:CHUNK])  # computed, not yet written back
+    gate.set()
+    streamer.wait_for_writes()
+    expected = [t[:CHUNK].clone() for t in (param0, m0, v0)]
+    _toy_update(expected[0], grads[0][:CHUNK], expected[1], expected[2], index_offset=0)
+    assert torch.equal(m, expected[1]) and torch.equal(v, expected[2]) and torch.equal(param, expected[0])
+    writer.shutdown()
+    streamer.writer = None
+    streamer.close()
+
+
 def test_a_state_file_that_cannot_be_read_in_is_an_error_not_a_crash(tmp_path):
     path = tmp_path / "states.bin"
     path.write_bytes(bytes(1 << 20))

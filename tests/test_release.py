@@ -366,6 +366,39 @@ def test_update_slice_refuses_what_it_cannot_do(tmp_path):
         opt.update_slice(p, opt.param_groups[0], torch.zeros(256, dtype=torch.bfloat16), 128)
 
 
+class _Stage3Construction:
+    """The steps of ZeRO-3's ``_setup_for_real_optimizer`` that :func:`_internals._without_gradient_buffers` acts on,
+    in upstream's order (the fingerprints in ``_internals.COPIED_UPSTREAM`` hold that order to the installed DeepSpeed):
+    the zero gradient of ``initialize_optimizer_states``, then the flat gradient partition on ``self.device``."""
+
+    def __init__(self, offload: bool = False) -> None:
+        self.device, self.offload_optimizer, self.swap_optimizer = "cpu", offload, False
+        self.optimizer = torch.optim.SGD([torch.zeros(1)], lr=0.1)
+        self.zero_gradient = None
+        self._setup_for_real_optimizer()
+
+    def _setup_for_real_optimizer(self) -> None:
+        self.initialize_optimizer_states()
+        self.grad_partitions_flat_buffer = torch.zeros(1000, dtype=torch.bfloat16, device=self.device)
+
+    def initialize_optimizer_states(self) -> None:
+        self.zero_gradient = torch.zeros(1000, dtype=torch.bfloat16, device=self.device)
+
+
+def test_construction_under_release_allocates_neither_gradient_buffer():
+    from lightning_pure_bf16 import _internals
+
+    with _internals._without_gradient_buffers(_Stage3Construction):
+        lean, offloaded = _Stage3Construction(), _Stage3Construction(offload=True)
+    assert lean.zero_gradient is None and lean.grad_partitions_flat_buffer.is_meta
+    assert lean.device == "cpu"  # its own device again once construction is over
+    # With offload (or swapping, or Adagrad) upstream's steps run unchanged.
+    assert offloaded.zero_gradient is not None and not offloaded.grad_partitions_flat_buffer.is_meta
+    # Only within the context.
+    plain = _Stage3Construction()
+    assert plain.zero_gradient is not None and not plain.grad_partitions_flat_buffer.is_meta
+
+
 # ------------------------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize(
     ("config", "match"),

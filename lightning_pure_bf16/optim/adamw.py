@@ -324,6 +324,14 @@ class AdamW(Optimizer):
         if self._store is not None:
             self._store.label = label
 
+    def wait_for_state_writes(self) -> None:
+        """Return once every state chunk an update computed is back in its file (``state_storage="mmap"`` on CUDA,
+        where an update returns while its last chunks are still being written back; see
+        :class:`~lightning_pure_bf16.optim.mmap_states.StateStreamer`). :meth:`state_dict`, :meth:`load_state_dict`
+        and gradient release's end of step call it; does nothing otherwise."""
+        for streamer in self._streamers.values():
+            streamer.wait_for_writes()
+
     def close(self) -> None:
         """Remove the state files (``state_storage="mmap"``) and stop the streaming threads; idempotent.
 
@@ -402,6 +410,7 @@ class AdamW(Optimizer):
             self.init_states([(p, group)])
             self._store.verify(self.state[p]["stream"])
         self._update(p, group, backend)
+        self.wait_for_state_writes()
         return True
 
     @torch.compiler.disable
@@ -446,6 +455,7 @@ class AdamW(Optimizer):
                 self._store.verify(self.state[p]["stream"])
         for p, group, backend in plan:
             self._update(p, group, backend)
+        self.wait_for_state_writes()  # the step ends with the states in their files
         return loss
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any] | None:
@@ -606,7 +616,8 @@ class AdamW(Optimizer):
         bits of the whole update (the random bits belong to the element's index in ``p``); call
         :meth:`advance_step` once the step is complete. ``p``'s state must exist (:meth:`init_states`). With states
         in files the slice's states stream as the whole tensor's do (on the CPU updated in the mapping, on a GPU
-        through the staging slots). With 8-bit moments the slice covers whole scale blocks: ``start`` is a multiple
+        through the staging slots, the last chunks written back after this returns: :meth:`wait_for_state_writes`
+        before the files are read). With 8-bit moments the slice covers whole scale blocks: ``start`` is a multiple
         of ``QBLOCK`` and the slice ends at one or at the end of ``p``.
 
         Raises:
@@ -851,6 +862,7 @@ class AdamW(Optimizer):
                 f"This {type(self).__name__} was closed and its state files removed: there are no moments to save."
                 " Save before calling `close()`."
             )
+        self.wait_for_state_writes()
         sd = super().state_dict()
         if self._store is not None:
             sd["state"] = {index: _saveable(st) for index, st in sd["state"].items()}
@@ -876,6 +888,7 @@ class AdamW(Optimizer):
 
         Load-state-dict pre-hooks see the whole state dict; post-hooks see the restored seed and counters.
         """
+        self.wait_for_state_writes()  # a write still running must not land over the loaded states
         loaded: dict[str, Any] = {}
 
         # Runs after the user's pre-hooks (it is registered last), on the state dict they leave.

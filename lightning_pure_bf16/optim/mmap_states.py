@@ -364,25 +364,34 @@ class StateStreamer:
     """Two staging slots and the reader/writer threads that stream state chunks between the files and the device.
 
     On the CPU the update works on the mapping itself, chunk by chunk, while a reader thread brings the next chunk's
-    pages into memory (:func:`prefault`): no staging slots, no copies.
+    pages into memory (:func:`prefault`): no staging slots, no copies. Elsewhere (CUDA) each chunk is read into a
+    pinned slot, copied to the device on a stream of its own, updated, copied back and written to the file by a
+    writer thread. :meth:`update` returns once its last chunk is queued, before that chunk is written back: under
+    gradient release the backward of the layers that follow runs meanwhile. The next :meth:`update` (which reuses
+    the slots) and :meth:`wait_for_writes` wait for those writes.
 
     Args:
         device: where the parameters and the update kernel are.
         specs: per state buffer, its dtype and how many parameter elements share one of its elements (1 for a
             moment, 128 for the block scales of 8-bit moments).
         chunk: parameter elements per chunk (a multiple of every divisor).
+        staged: stage the chunks through the slots on the CPU too (the CUDA path's pipeline without a GPU).
     """
 
-    def __init__(self, device: torch.device, specs: Sequence[tuple[torch.dtype, int]], chunk: int) -> None:
+    def __init__(
+        self, device: torch.device, specs: Sequence[tuple[torch.dtype, int]], chunk: int, staged: bool = False
+    ) -> None:
         if any(chunk % divisor for _, divisor in specs):
             raise ValueError(f"the chunk ({chunk}) must be a multiple of every divisor of {list(specs)}")
         self.device = device
         self.chunk = chunk
         self.divisors = [divisor for _, divisor in specs]
         cuda = device.type == "cuda"
-        self.in_place = device.type == "cpu"
+        self.in_place = device.type == "cpu" and not staged
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_read")
         self.writer: ThreadPoolExecutor | None = None
+        # The write-backs the last update left running (the slot pipeline).
+        self._pending: list[Future] = []
         if self.in_place:
             self.host = self.dev = []
             self.copy_stream = None
@@ -399,7 +408,19 @@ class StateStreamer:
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="pure_bf16_state_write")
 
+    def wait_for_writes(self) -> None:
+        """Return once every chunk an :meth:`update` computed is written back to its file (raises what a write
+        raised). The files are then complete: before they are read, copied or replaced."""
+        pending, self._pending = self._pending, []
+        try:
+            for future in pending:
+                future.result()
+        finally:
+            for future in pending:  # after an error, the others still finish before the slots are reused
+                future.exception()
+
     def close(self) -> None:
+        self.wait_for_writes()
         self.reader.shutdown(wait=True)
         if self.writer is not None:
             self.writer.shutdown(wait=True)
@@ -461,6 +482,7 @@ class StateStreamer:
             for dst, buf, (s, e) in zip(states, self.host[slot], spans(i)):
                 dst[s:e].copy_(buf[: e - s])
 
+        self.wait_for_writes()  # the previous update's last chunks still use the slots
         reads: dict[int, Future] = {0: self.reader.submit(load, 0, 0)}
         writes: dict[int, Future] = {}
         compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
@@ -492,8 +514,8 @@ class StateStreamer:
                         done.record(self.copy_stream)
                 assert self.writer is not None  # the slot pipeline has its writer thread
                 writes[i] = self.writer.submit(store, i, slot, done)
-            for i in sorted(writes):
-                writes.pop(i).result()
+            # The last chunks are written back while the caller goes on (wait_for_writes, or the next update).
+            self._pending = [writes.pop(i) for i in sorted(writes)]
         finally:
             # On an error, let the threads finish what they started before the slots are reused or freed.
             for f in [*reads.values(), *writes.values()]:
