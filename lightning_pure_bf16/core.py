@@ -387,6 +387,8 @@ def initialize_engine(
         settings.check_engine_config(config)
 
     model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+    # Before deepspeed.initialize: ZeRO-3's construction gathers every parameter once (to hook its gradient).
+    _internals.bounded_gloo_collectives()
     with _internals.alias_bf16_master_partitions(gradient_release=settings is not None and settings.gradient_release):
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             args=argparse.Namespace(device_rank=rank),
@@ -397,7 +399,7 @@ def initialize_engine(
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
-    # Before the first gather (deepspeed.initialize partitions but gathers nothing).
+    # Again, where deepspeed.initialize set up DeepSpeed's communication backend itself.
     _internals.bounded_gloo_collectives()
     return engine, ds_optimizer, ds_scheduler
 
