@@ -55,14 +55,18 @@ def _spec(width: int, args: argparse.Namespace) -> Spec:
     )
 
 
-def search(arm: str, grid: list[int], start: int, args: argparse.Namespace, tries: list[dict]) -> int | None:
-    """Index in ``grid`` of the largest width ``arm`` trains within the budget (``None``: not even the smallest)."""
+def search(
+    arm: str, grid: list[int], start: int, args: argparse.Namespace, tries: list[dict], measured: dict | None = None
+) -> int | None:
+    """Index in ``grid`` of the largest width ``arm`` trains within the budget (``None``: not even the smallest).
+    ``measured``: results of :func:`launch` already in hand, by index in ``grid`` (not launched again)."""
     budget = int(args.budget_gib * GIB)
     known: dict[int, bool] = {}
+    measured = dict(measured or {})
 
     def fits(i: int) -> bool:
         if i not in known:
-            r = launch(arm, _spec(grid[i], args), budget_bytes=budget, timeout_s=args.timeout)
+            r = measured.pop(i, None) or launch(arm, _spec(grid[i], args), budget_bytes=budget, timeout_s=args.timeout)
             known[i] = r["ok"]
             why = r["why"].splitlines()[0] if r["why"] else ""
             if why.startswith("failed") or why.startswith("timed out"):
@@ -249,9 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     tries: list[dict] = []
     largest: dict[str, int | None] = {}
     for arm in args.arms:
-        if not tries:  # the smallest size of the first arm measures the margin
-            search_probe = launch(arm, _spec(grid[0], args), budget_bytes=int(args.budget_gib * GIB))
+        measured = {}
+        if not tries:  # the smallest size of the first arm measures the margin, and counts as a try of the search
+            search_probe = launch(
+                arm, _spec(grid[0], args), budget_bytes=int(args.budget_gib * GIB), timeout_s=args.timeout
+            )
             probe = max((x["before_model_bytes"] for x in search_probe["ranks"] if x), default=0) / GIB
+            measured = {0: search_probe}
         else:
             probe = 0.0
         margin = max([t["before_model_gib"] for t in tries] + [probe])
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted = planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer, gather)
         predicted_params = predicted[PLANNER_CONFIG.get(arm, "pure_bf16_stochastic")]
         start = max([i for i, w in enumerate(grid) if _spec(w, args).params() <= predicted_params], default=0)
-        largest[arm] = search(arm, grid, start, args, tries)
+        largest[arm] = search(arm, grid, start, args, tries, measured)
         write_report(args, argv, tries)  # as it goes: a long search that stops keeps the arms it finished
     return 0
 
