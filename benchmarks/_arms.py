@@ -322,14 +322,16 @@ def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
     _loop(spec, device, step, out)
 
 
-def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
-    import torch
+def ours_fabric(arm: str, spec: Spec, state_dir: Path) -> object:
+    """This package's Fabric strategy with ``arm``'s options, launched (this process is one rank); states in files go
+    under ``state_dir`` (created here)."""
     from lightning.fabric import Fabric
 
     from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy
 
     options = dict(OURS[arm])
     if options.get("state_storage") == "mmap":
+        state_dir.mkdir(parents=True, exist_ok=True)
         options["state_dir"] = str(state_dir)
     fabric = Fabric(
         accelerator=spec.device,
@@ -337,6 +339,13 @@ def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
         strategy=DeepSpeedPureBF16FabricStrategy(**options),
     )
     fabric.launch()
+    return fabric
+
+
+def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
+    import torch
+
+    fabric = ours_fabric(arm, spec, state_dir)
     out["before_model_bytes"] = _status_bytes("self", *HELD)
     with fabric.init_module():
         model = _gpt(spec)
@@ -436,9 +445,7 @@ def worker(arm: str, spec: Spec, tmp: Path) -> None:
     if arm.startswith("ds_"):
         _run_deepspeed(arm, spec, out)
     elif arm in OURS:
-        state_dir = tmp / f"states{os.environ['RANK']}"
-        state_dir.mkdir(exist_ok=True)
-        _run_ours(arm, spec, out, state_dir)
+        _run_ours(arm, spec, out, tmp / f"states{os.environ['RANK']}")
     elif arm.startswith("fsdp2_"):
         _run_fsdp2(arm, spec, out)
     else:

@@ -28,7 +28,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _arms import HELD, OURS, ROOT, Spec, _batches, _gpt, _status_bytes, ranks_environment, start_ranks  # noqa: E402
+from _arms import (  # noqa: E402
+    HELD,
+    OURS,
+    ROOT,
+    Spec,
+    _batches,
+    _gpt,
+    _status_bytes,
+    ours_fabric,
+    ranks_environment,
+    start_ranks,
+)
 from _results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,9 +60,6 @@ def _where(stack: list[str]) -> str:
 def worker(arm: str, spec: Spec, out: Path) -> None:
     """One rank: build, set up and step, marking each phase; write the samples' phase peaks and their stacks."""
     import torch
-    from lightning.fabric import Fabric
-
-    from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy
 
     torch.set_num_threads(1)
     main, marks, highs = threading.get_ident(), [], []
@@ -74,12 +82,7 @@ def worker(arm: str, spec: Spec, out: Path) -> None:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    options = dict(OURS[arm])
-    if options.get("state_storage") == "mmap":
-        options["state_dir"] = str(out / f"states{os.environ['RANK']}")
-        os.makedirs(options["state_dir"], exist_ok=True)
-    fabric = Fabric(accelerator="cpu", devices=spec.world_size, strategy=DeepSpeedPureBF16FabricStrategy(**options))
-    fabric.launch()
+    fabric = ours_fabric(arm, spec, out / f"states{os.environ['RANK']}")
     with fabric.init_module():
         model = _gpt(spec)
     mark("built")

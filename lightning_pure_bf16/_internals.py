@@ -552,23 +552,21 @@ def _without_gradient_buffers(stage3: Any) -> Iterator[None]:
     as upstream does.
     """
     setup, initialize = stage3._setup_for_real_optimizer, stage3.initialize_optimizer_states
-    device_during_setup: dict[int, Any] = {}
 
     @functools.wraps(initialize)
     def initialize_optimizer_states(self: Any) -> None:
         if self.offload_optimizer or self.swap_optimizer or isinstance(self.optimizer, torch.optim.Adagrad):
             initialize(self)
-            return
-        device_during_setup[id(self)] = self.device
-        self.device = torch.device("meta")
+        else:
+            self.device = torch.device("meta")  # for the flat gradient partition, allocated next
 
     @functools.wraps(setup)
     def setup_for_real_optimizer(self: Any) -> None:
+        device = self.device
         try:
             setup(self)
         finally:
-            if id(self) in device_during_setup:
-                self.device = device_during_setup.pop(id(self))
+            self.device = device
 
     stage3._setup_for_real_optimizer = setup_for_real_optimizer
     stage3.initialize_optimizer_states = initialize_optimizer_states

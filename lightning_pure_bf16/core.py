@@ -371,6 +371,18 @@ def device_rank(root_device: torch.device, local_rank: int) -> int:
     return root_device.index if root_device.index is not None else local_rank
 
 
+@contextlib.contextmanager
+def zero3_construction(gradient_release: bool) -> Iterator[None]:
+    """Around ``deepspeed.initialize``, for every front end: ZeRO-3's master partitions aliased to the bf16 parameter
+    partitions (without the gradient buffers release never uses), and DeepSpeed's collectives in bounded pieces under
+    gloo before (ZeRO-3's construction gathers every parameter once, to hook its gradient) and after (where
+    ``deepspeed.initialize`` set up DeepSpeed's communication backend itself)."""
+    _internals.bounded_gloo_collectives()
+    with _internals.alias_bf16_master_partitions(gradient_release=gradient_release):
+        yield
+    _internals.bounded_gloo_collectives()
+
+
 def initialize_engine(
     config: dict[str, Any],
     model: torch.nn.Module,
@@ -387,9 +399,7 @@ def initialize_engine(
         settings.check_engine_config(config)
 
     model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-    # Before deepspeed.initialize: ZeRO-3's construction gathers every parameter once (to hook its gradient).
-    _internals.bounded_gloo_collectives()
-    with _internals.alias_bf16_master_partitions(gradient_release=settings is not None and settings.gradient_release):
+    with zero3_construction(gradient_release=settings is not None and settings.gradient_release):
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             args=argparse.Namespace(device_rank=rank),
             config=config,
@@ -399,8 +409,6 @@ def initialize_engine(
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
-    # Again, where deepspeed.initialize set up DeepSpeed's communication backend itself.
-    _internals.bounded_gloo_collectives()
     return engine, ds_optimizer, ds_scheduler
 
 
@@ -749,6 +757,7 @@ __all__ = [
     "gradient_release",
     "init_zero3_optimizer_state",
     "initialize_engine",
+    "zero3_construction",
     "is_checkpoint",
     "inner_optimizer",
     "load_checkpoint",

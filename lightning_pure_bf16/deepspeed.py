@@ -229,10 +229,7 @@ def initialize(
     if on_cpu:
         settings.prepare_cpu_loop(local_rank, lambda name: dist.barrier())
     kwargs.setdefault("dist_init_required", False)
-    # Collectives in bounded pieces under gloo, before and after deepspeed.initialize (whose ZeRO-3 construction
-    # gathers every parameter once, and which may set DeepSpeed's communication backend up itself).
-    _internals.bounded_gloo_collectives()
-    with _internals.alias_bf16_master_partitions(gradient_release=gradient_release):
+    with core.zero3_construction(gradient_release):
         engine, _, loader, scheduler = _internals.deepspeed_initialize()(
             args=args,
             model=model,
@@ -243,7 +240,6 @@ def initialize(
             config=full,
             **kwargs,
         )
-    _internals.bounded_gloo_collectives()
     device = torch.device("cpu") if on_cpu else torch.device("cuda", local_rank)
     meter = core.after_engine_setup(engine, NAME, device, gradient_release=gradient_release, gather_cache=gather_cache)
     skips = core.SkipCounter()

@@ -161,7 +161,7 @@ def test_cpu_updates_in_the_mapping_with_each_chunk_brought_in_first(tmp_path, m
     calls = []
     real = mmap_states.StateStreamer.update
 
-    def spy(self, update, param, grad, states, forward, index_base=0):  # noqa: ANN001, ANN202
+    def spy(self, update, param, grad, states, forward, index_base=0, defer_writes=False):  # noqa: ANN001, ANN202
         def record(param_chunk, grad_chunk, *rest, index_offset):  # noqa: ANN001, ANN202
             m = forward_args[0]
             calls.append((m.data_ptr(), m.numel(), index_offset))
@@ -172,7 +172,7 @@ def test_cpu_updates_in_the_mapping_with_each_chunk_brought_in_first(tmp_path, m
             return forward(chunks)
 
         forward_args: list = []
-        return real(self, record, param, grad, states, fwd, index_base)
+        return real(self, record, param, grad, states, fwd, index_base, defer_writes)
 
     monkeypatch.setattr(mmap_states.StateStreamer, "update", spy)
     p.grad = torch.randn(5000).to(torch.bfloat16)
@@ -226,7 +226,7 @@ def test_the_staged_pipeline_gives_the_in_place_bits_and_writes_back_after_updat
     held = type("Gated", (), {"submit": lambda _, fn, *a: writer.submit(lambda: (gate.wait(10), fn(*a))[1])})
     streamer.writer = held()
     param, m, v = param0[:CHUNK].clone(), m0[:CHUNK].clone(), v0[:CHUNK].clone()
-    streamer.update(_toy_update, param, grads[0][:CHUNK], [m, v], tuple, 0)
+    streamer.update(_toy_update, param, grads[0][:CHUNK], [m, v], tuple, 0, defer_writes=True)
     assert torch.equal(m, m0[:CHUNK]) and not torch.equal(param, param0[:CHUNK])  # computed, not yet written back
     gate.set()
     streamer.wait_for_writes()

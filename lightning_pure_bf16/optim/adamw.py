@@ -326,7 +326,7 @@ class AdamW(Optimizer):
 
     def wait_for_state_writes(self) -> None:
         """Return once every state chunk an update computed is back in its file (``state_storage="mmap"`` on CUDA,
-        where an update returns while its last chunks are still being written back; see
+        where :meth:`update_slice` returns while its last chunks are still being written back; see
         :class:`~lightning_pure_bf16.optim.mmap_states.StateStreamer`). :meth:`state_dict`, :meth:`load_state_dict`
         and gradient release's end of step call it; does nothing otherwise."""
         for streamer in self._streamers.values():
@@ -410,7 +410,6 @@ class AdamW(Optimizer):
             self.init_states([(p, group)])
             self._store.verify(self.state[p]["stream"])
         self._update(p, group, backend)
-        self.wait_for_state_writes()
         return True
 
     @torch.compiler.disable
@@ -455,7 +454,6 @@ class AdamW(Optimizer):
                 self._store.verify(self.state[p]["stream"])
         for p, group, backend in plan:
             self._update(p, group, backend)
-        self.wait_for_state_writes()  # the step ends with the states in their files
         return loss
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any] | None:
@@ -656,7 +654,9 @@ class AdamW(Optimizer):
             ahead = max(0, start - (end - start))
             read_ahead([state[k].view(-1)[ahead:start] for k in _BUFFER_KEYS if k in state])
             sliced = {**pieces, **scales}
-            self._update_streamed(update, flat, grad, sliced, kahan_comp is not None, args, index_base=start)
+            self._update_streamed(
+                update, flat, grad, sliced, kahan_comp is not None, args, index_base=start, defer_writes=True
+            )
             return
         update(flat, grad, pieces["exp_avg"], pieces["exp_avg_sq"], kahan_comp, args, index_offset=start, **scales)
 
@@ -734,6 +734,7 @@ class AdamW(Optimizer):
         kahan: bool,
         args: UpdateArgs,
         index_base: int = 0,
+        defer_writes: bool = False,
     ) -> None:
         keys = ["exp_avg", "exp_avg_sq", *(["kahan_comp"] if kahan else []), *(k for k in _SCALE_KEYS if k in state)]
         states = [state[k].view(-1) for k in keys]
@@ -760,7 +761,7 @@ class AdamW(Optimizer):
         def call(param_chunk, grad_chunk, m, v, c, step_args, scales, index_offset):  # noqa: ANN001, ANN202
             update(param_chunk, grad_chunk, m, v, c, step_args, index_offset=index_offset, **scales)
 
-        streamer.update(call, p_flat, g_flat, states, forward, index_base)
+        streamer.update(call, p_flat, g_flat, states, forward, index_base, defer_writes)
         if not p.is_contiguous():
             p.copy_(p_flat.view(p.shape))
 

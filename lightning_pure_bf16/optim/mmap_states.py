@@ -366,9 +366,9 @@ class StateStreamer:
     On the CPU the update works on the mapping itself, chunk by chunk, while a reader thread brings the next chunk's
     pages into memory (:func:`prefault`): no staging slots, no copies. Elsewhere (CUDA) each chunk is read into a
     pinned slot, copied to the device on a stream of its own, updated, copied back and written to the file by a
-    writer thread. :meth:`update` returns once its last chunk is queued, before that chunk is written back: under
-    gradient release the backward of the layers that follow runs meanwhile. The next :meth:`update` (which reuses
-    the slots) and :meth:`wait_for_writes` wait for those writes.
+    writer thread. With ``defer_writes``, :meth:`update` returns once its last chunk is queued, before that chunk is
+    written back: under gradient release the backward of the layers that follow runs meanwhile. The next
+    :meth:`update` (which reuses the slots) and :meth:`wait_for_writes` wait for those writes.
 
     Args:
         device: where the parameters and the update kernel are.
@@ -436,6 +436,7 @@ class StateStreamer:
         states: Sequence[torch.Tensor],
         forward: Callable[[list[torch.Tensor]], tuple[Any, ...]],
         index_base: int = 0,
+        defer_writes: bool = False,
     ) -> None:
         """Run ``update`` over ``param`` chunk by chunk with the matching chunks of the file-backed ``states``.
 
@@ -449,6 +450,7 @@ class StateStreamer:
                 absent Kahan buffer).
             index_base: the index of ``param``'s first element in the tensor it is a slice of, so that the random
                 bits of every element are the whole tensor's (default: 0).
+            defer_writes: return before the last chunks are written back (the slot pipeline; see the class).
         """
         n = param.numel()
         starts = list(range(0, n, self.chunk))
@@ -514,8 +516,11 @@ class StateStreamer:
                         done.record(self.copy_stream)
                 assert self.writer is not None  # the slot pipeline has its writer thread
                 writes[i] = self.writer.submit(store, i, slot, done)
-            # The last chunks are written back while the caller goes on (wait_for_writes, or the next update).
+            # With defer_writes the last chunks are written back while the caller goes on (wait_for_writes, or the
+            # next update).
             self._pending = [writes.pop(i) for i in sorted(writes)]
+            if not defer_writes:
+                self.wait_for_writes()
         finally:
             # On an error, let the threads finish what they started before the slots are reused or freed.
             for f in [*reads.values(), *writes.values()]:
