@@ -19,6 +19,7 @@ from lightning_pure_bf16.checkpoint import (
 from lightning_pure_bf16.data import resume_fabric_dataloader
 from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
 from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Strategy
+from lightning_pure_bf16.hf_models import from_pretrained
 from lightning_pure_bf16.integrations import host_watch
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
@@ -48,6 +49,7 @@ __all__ = [
     "__version__",
     "consolidate_checkpoint",
     "export_pretrained",
+    "from_pretrained",
     "load_pretrained",
     "PretrainedError",
     "consolidate_optimizer_state",

@@ -358,6 +358,64 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "a model whose saved names or tensors differ from its own is saved by the Trainer's gathering path",
         ("model", "state_dict"),
     ),
+    # transformers under ZeRO-3's partitioned init (hf_models.py, optional)
+    PrivateName(
+        "transformers.modeling_utils:PreTrainedModel",
+        "init_weights",
+        "method",
+        "replaced while the partitioned init is open: initialisation on gathered partitions (COPIED_UPSTREAM)",
+        ("self",),
+    ),
+    PrivateName(
+        "transformers.modeling_utils:PreTrainedModel",
+        "_initialize_weights",
+        "method",
+        "one module's initialisation, run on its gathered parameters",
+        ("self", "module", "is_custom_code"),
+    ),
+    PrivateName(
+        "transformers.modeling_utils:PreTrainedModel",
+        "tie_weights",
+        "method",
+        "ties made after a partitioned construction",
+        ("self", "missing_keys", "recompute_mapping"),
+    ),
+    PrivateName(
+        "transformers.modeling_utils:PreTrainedModel",
+        "_is_hf_initialized",
+        "marker",
+        "the flag that marks a loaded parameter or an initialised module, which initialisation skips",
+    ),
+    PrivateName(
+        "transformers.integrations.deepspeed",
+        "_hf_deepspeed_config_weak_ref = None",
+        "marker",
+        "the registered DeepSpeed config, put back after the partitioned construction",
+    ),
+    PrivateName(
+        "transformers.integrations.deepspeed",
+        "prevent_arange_dtype_change",
+        "function",
+        "RoPE buffers keep their dtypes under zero.Init",
+    ),
+    PrivateName(
+        "transformers.models.auto.auto_factory:_BaseAutoModelClass",
+        "_model_mapping",
+        "attribute",
+        "from_pretrained(model_class=AutoModel...): the family's class for a config",
+    ),
+    PrivateName(
+        "transformers.configuration_utils:PreTrainedConfig",
+        "_attn_implementation",
+        "marker",
+        "from_pretrained(attn_implementation=...)",
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.partition_parameters",
+        "zero_init_context = 0",
+        "marker",
+        "whether zero.Init is open (from_pretrained refuses to build a model whole)",
+    ),
     PrivateName(
         "transformers.trainer:Trainer",
         "_save",
@@ -409,6 +467,14 @@ COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
     "torch.optim.lr_scheduler:LRScheduler.__init__.patch_track_step_called": {
         "ours": "_internals.mark_step_for_lr_scheduler",
         "tested": {"torch 2.13": "94239865ea263df3"},
+    },
+    "transformers.modeling_utils:PreTrainedModel.init_weights": {
+        "ours": "_internals.transformers_partitioned_init (its init and tie, on gathered partitions)",
+        "tested": {"transformers 5.25.0": "2e0ca47a32e77d78"},
+    },
+    "transformers.integrations.deepspeed:initialize_weights_zero3": {
+        "ours": "_internals.initialize_partitioned_weights (the same dispatch, loaded modules not gathered)",
+        "tested": {"transformers 5.25.0": "d2ecd271895f9363"},
     },
 }
 
@@ -1134,6 +1200,125 @@ def transformers_save_beside_weights(trainer: Any, output_dir: str) -> None:
     trainer._save(output_dir, state_dict={})
 
 
+def zero3_init_active() -> bool:
+    """Whether a ``deepspeed.zero.Init`` context is open in this process (modules built now are partitioned)."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    return _read(partition_parameters, "zero_init_context", "the depth of open zero.Init contexts") > 0
+
+
+def transformers_is_auto_class(cls: type) -> bool:
+    """Whether ``cls`` is one of transformers' Auto classes (``AutoModelForCausalLM``), which map a config's type to
+    the family's class."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    return isinstance(cls, type) and issubclass(cls, _BaseAutoModelClass)
+
+
+def transformers_auto_model_class(auto_cls: type, config: Any) -> type:
+    """The class an Auto class builds for ``config`` (``LlamaForCausalLM`` for a Llama config); KeyError if none."""
+    return _read(auto_cls, "_model_mapping", "an Auto class's map from config type to model class")[type(config)]
+
+
+def transformers_set_attn_implementation(config: Any, value: str) -> None:
+    """The attention implementation a model built from ``config`` uses, as ``from_pretrained(attn_implementation=)``
+    sets it."""
+    _read(config, "_attn_implementation", "the attention implementation of a transformers config")
+    config._attn_implementation = value
+
+
+@contextmanager
+def transformers_zero3_config(config: dict[str, Any]) -> Iterator[None]:
+    """transformers' ``is_deepspeed_zero3_enabled()`` is true while this is open (its ``from_pretrained``,
+    ``from_config`` and ``resize_token_embeddings`` then take their ZeRO-3 paths), as ``TrainingArguments`` makes it
+    for the Hugging Face Trainer; whatever config was registered before is registered again on exit."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    before = _read(hf_deepspeed, "_hf_deepspeed_config_weak_ref", "transformers' registered DeepSpeed config")
+    handle = hf_deepspeed.HfDeepSpeedConfig(config)
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = before
+        del handle
+
+
+def initialize_partitioned_weights(model: torch.nn.Module) -> None:
+    """transformers' weight initialisation of ``model`` (a ``PreTrainedModel``) run on ZeRO-3's partitions: each
+    module's parameters gathered, initialised on the first rank and scattered back, as transformers' own
+    ``initialize_weights_zero3`` does; modules already initialised (the flag transformers sets) and modules whose
+    parameters were all loaded are skipped before anything is gathered."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import PreTrainedModel
+    from transformers.initialization import guard_torch_init_functions
+
+    custom = model.is_custom_code()
+    first = not dist.is_initialized() or dist.get_rank() == 0
+
+    def visit(module: torch.nn.Module, init: Callable[..., None]) -> None:
+        for child in module.children():
+            visit(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init)
+        if getattr(module, "_is_hf_initialized", False):
+            return
+        # transformers' _init_weights of a module may also write its direct children's parameters.
+        params = [*module.parameters(recurse=False)]
+        for child in module.children():
+            if not isinstance(child, PreTrainedModel):
+                params.extend(child.parameters(recurse=False))
+        if params and all(getattr(p, "_is_hf_initialized", False) for p in params):
+            module._is_hf_initialized = True
+            return
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            if first:
+                init(module, custom)
+        # A module's own parameters are partitioned only when its __init__ returns, after its post_init: the first
+        # rank's values for every rank, as the gathered ones get on leaving GatheredParameters.
+        if dist.is_initialized():
+            for param in params:
+                if not hasattr(param, "ds_id"):
+                    dist.broadcast(param.data, src=dist.get_global_rank(dist.group.WORLD, 0))
+        module._is_hf_initialized = True  # on every rank, so that a second pass gathers nothing here
+
+    with torch.no_grad(), guard_torch_init_functions():
+        visit(model, model._initialize_weights)
+
+
+@contextmanager
+def transformers_partitioned_init() -> Iterator[None]:
+    """Hugging Face models built while ZeRO-3's partitioned init is open are initialised and tied as transformers
+    builds them itself under ZeRO-3. Enter it before ``deepspeed.zero.Init``.
+
+    transformers bug worked around here (5.x): a ``PreTrainedModel`` constructed directly (``LlamaForCausalLM(config)``)
+    inside ``deepspeed.zero.Init`` runs ``init_weights`` in its ``post_init`` on parameters ZeRO-3 has already
+    partitioned into empty tensors: every initialisation is silently a no-op, and a config with a ``pad_token_id``
+    crashes on the embedding's padding row (``IndexError: index 2 is out of bounds for dimension 0 with size 0``).
+    transformers' own ``from_config`` and ``from_pretrained`` avoid it by skipping the init and running
+    ``initialize_weights_zero3`` afterwards. While this is open, ``PreTrainedModel.init_weights`` of a model with
+    partitioned parameters runs :func:`initialize_partitioned_weights` and ties the weights, which is what the original
+    does on whole tensors. transformers' ``prevent_arange_dtype_change`` keeps the RoPE buffers' explicit dtypes
+    (zero.Init otherwise casts every new floating tensor to its dtype).
+    ``tests/test_hf_models.py::test_transformers_init_under_zero_init_bug_and_fix`` shows the bug and the fix.
+    """
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = _read(PreTrainedModel, "init_weights", "transformers' initialisation and tying after construction")
+
+    def init_weights(self: Any) -> None:
+        if not any(hasattr(p, "ds_id") for p in self.parameters()):
+            return original(self)
+        initialize_partitioned_weights(self)
+        self.tie_weights(recompute_mapping=False)
+
+    PreTrainedModel.init_weights = init_weights
+    try:
+        with prevent_arange_dtype_change():
+            yield
+    finally:
+        PreTrainedModel.init_weights = original
+
+
 def lightning_remove_module_hooks(model: torch.nn.Module) -> None:
     """Lightning's own clean-up of DeepSpeed's module hooks before an inference engine is built."""
     from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -1316,6 +1501,7 @@ __all__ = [
     "fabric_unwrap",
     "fill_data_parallel_size",
     "gradient_norm_in_pieces",
+    "initialize_partitioned_weights",
     "lightning_fit_position",
     "lightning_remove_module_hooks",
     "lightning_update_dataloader",
@@ -1325,12 +1511,18 @@ __all__ = [
     "set_deepspeed_accelerator",
     "set_fabric_dataloader",
     "source_fingerprint",
+    "transformers_auto_model_class",
+    "transformers_is_auto_class",
+    "transformers_partitioned_init",
     "transformers_save_beside_weights",
     "transformers_saved_names",
+    "transformers_set_attn_implementation",
+    "transformers_zero3_config",
     "use_cpu_deepspeed_accelerator_if_no_cuda",
     "view_sub_group_gradients",
     "wrapped_sampler",
     "zero3_grad_partition_buffer",
+    "zero3_init_active",
     "zero3_inner_optimizer",
     "zero3_master_partitions",
     "zero3_param_partitions",

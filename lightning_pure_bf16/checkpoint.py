@@ -354,11 +354,13 @@ def open_checkpoint(path: str | os.PathLike, *, trust_checkpoint: bool = False) 
         raise CheckpointError(str(err)) from err
 
 
-def weight_sources(path: str | os.PathLike, *, trust_checkpoint: bool = False) -> list[TensorSource]:
+def weight_sources(
+    path: str | os.PathLike, *, trust_checkpoint: bool = False, tied_aliases: bool = True
+) -> list[TensorSource]:
     """The checkpoint's weights to be read tensor by tensor (see :meth:`ZeroCheckpoint.weight_sources`); a
     message where fp32 masters are rounded."""
     reader = open_checkpoint(path, trust_checkpoint=trust_checkpoint)
-    sources = reader.weight_sources()
+    sources = reader.weight_sources(tied_aliases=tied_aliases)
     if reader.master_dtype == torch.float32:
         trained = sum(1 for _ in reader.iter_params())
         print(
@@ -407,7 +409,8 @@ def export_pretrained(
     """Write a checkpoint's weights (any world size) in Hugging Face's sharded safetensors layout, into the new
     directory ``output``: ``model-0000K-of-0000N.safetensors`` of at most ``max_shard_size`` each (a tensor larger
     than that alone in its shard) and ``model.safetensors.index.json``, or one ``model.safetensors``; ``config``'s
-    ``config.json`` copied beside them. transformers' ``from_pretrained`` reads the result.
+    ``config.json`` copied beside them (and its directory's ``generation_config.json``); a tied parameter written
+    once, as transformers writes it. transformers' ``from_pretrained`` reads the result.
 
     Streamed: each tensor is read from the rank files' memory maps piece by piece (each rank's slice) and written
     as it is read, bf16 throughout, so the host memory it takes is a piece of one tensor beyond the interpreter, at any
@@ -426,9 +429,10 @@ def export_pretrained(
     output = Path(output)
     check_new_directory(output)
     parse_size(max_shard_size)
-    config_bytes = read_config(config)
-    sources = map_keys(weight_sources(path, trust_checkpoint=trust_checkpoint), key_map)
-    return save_sharded(sources, output, max_shard_size=max_shard_size, config=config_bytes)
+    beside = read_config(config)
+    # A tied parameter once, under its first name, as transformers writes it (and ties it again on load).
+    sources = map_keys(weight_sources(path, trust_checkpoint=trust_checkpoint, tied_aliases=False), key_map)
+    return save_sharded(sources, output, max_shard_size=max_shard_size, beside=beside)
 
 
 def export_optimizer_state(

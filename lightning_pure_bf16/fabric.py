@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,7 @@ from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
+from lightning_pure_bf16.hf_models import partitioned_construction
 from lightning_pure_bf16.optim.options import OptimizerOptions
 from lightning_pure_bf16.precision import PureBF16FabricPrecision
 
@@ -201,6 +203,19 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         if not self._config_initialized:
             self._format_config()
             self._config_initialized = True
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        # init_module builds partitioned; a Hugging Face model built there is initialised and tied as transformers
+        # does under ZeRO-3 (hf_models.py).
+        zero_init = super().module_sharded_context()
+
+        @contextmanager
+        def both() -> Iterator[None]:
+            with partitioned_construction(self.config), zero_init:
+                yield
+
+        return both()
 
     # ----------------------------------------------------------------------------------------------------- setup
     @override

@@ -15,11 +15,13 @@ gathered onto the first rank at a time and streamed into its shard, so no rank e
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,6 +362,33 @@ def partition_sources(module: nn.Module, names: Sequence[str] | None = None) -> 
     return sources
 
 
+def _outermost_pretrained_model(module: nn.Module) -> nn.Module | None:
+    """The one transformers model in ``module`` that no other contains (the LightningModule's ``self.model``), or
+    ``None`` where there is none or several."""
+    if "transformers" not in sys.modules:  # no transformers model can have been built
+        return None
+    from transformers import PreTrainedModel
+
+    found: list[nn.Module] = []
+    for candidate in module.modules():
+        if isinstance(candidate, PreTrainedModel) and not any(candidate in set(f.modules()) for f in found):
+            found.append(candidate)
+    return found[0] if len(found) == 1 else None
+
+
+def _model_files(model: nn.Module, dtype: torch.dtype) -> dict[str, bytes]:
+    """``config.json`` and ``generation_config.json`` as transformers' ``save_pretrained`` writes them beside the
+    weights of ``model`` (its class as the architecture, the weights' dtype)."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype
+    files = {"config.json": config.to_json_string(use_diff=True).encode()}
+    generation = getattr(model, "generation_config", None)
+    if model.can_generate() and generation is not None:
+        files["generation_config.json"] = generation.to_json_string(use_diff=True).encode()
+    return files
+
+
 def save_pretrained(
     module: nn.Module,
     directory: str | os.PathLike,
@@ -388,7 +417,10 @@ def save_pretrained(
         key_map: prefixes of the module's names renamed in the files, the first that matches: ``{"model.": ""}``
             drops a LightningModule's attribute name.
         names: the module's names to write (default: every parameter and persistent buffer, tied ones once).
-        config: a ``config.json`` (its path, its directory or its bytes) put beside the weights.
+        config: a ``config.json`` (its path, its directory or its bytes) put beside the weights, with the
+            directory's ``generation_config.json`` (default: ``None``: the config and generation config of the
+            transformers model inside ``module``, as transformers' ``save_pretrained`` writes them; nothing for
+            another model).
         on_staged: called on the first rank once every weight file is on the disk, before they are moved into place
             (a host writes its own files into ``directory`` then).
 
@@ -404,7 +436,14 @@ def save_pretrained(
     import torch.distributed as dist
 
     sources = map_keys(partition_sources(module, names), key_map)
-    config_bytes = config if isinstance(config, bytes) else read_config(config)
+    if isinstance(config, bytes):
+        beside = {"config.json": config}
+    elif config is not None:
+        beside = read_config(config)
+    else:  # a transformers model's own config, as its save_pretrained writes it
+        model = _outermost_pretrained_model(_unwrapped(module))
+        dtype = next((s.dtype for s in sources if s.dtype.is_floating_point), torch.bfloat16)
+        beside = _model_files(model, dtype) if model is not None else {}
     plan = plan_shards(sources, max_shard_size)
     directory = Path(directory)
     problem: tuple[type[OSError], str] | None = None
@@ -432,7 +471,7 @@ def save_pretrained(
             sources,
             directory,
             max_shard_size=max_shard_size,
-            config=config_bytes,
+            beside=beside,
             replace_weights=True,
             on_staged=on_staged,
         )

@@ -199,11 +199,12 @@ class ZeroCheckpoint:
             self._models[rank] = _load(self._model_files[rank], self._trust)
         return self._models[rank]
 
-    def weight_sources(self) -> list[TensorSource]:
+    def weight_sources(self, tied_aliases: bool = True) -> list[TensorSource]:
         """Every tensor of the model's state dict, as DeepSpeed's ``zero_to_fp32`` assembles it (buffers, frozen
         parameters, trained parameters, tied aliases; its keys and order), to be read piece by piece: the trained
         weights in bf16 (fp32 masters rounded to nearest, piece by piece), frozen parameters and buffers in their
-        stored dtype."""
+        stored dtype. ``tied_aliases=False`` leaves out the second name of a tied parameter (``lm_head.weight`` tied
+        to the embedding), as transformers' ``save_pretrained`` writes a tied tensor once, under its first name."""
         state = self.model_state
         sources: list[TensorSource] = []
         module = state.get("module") or {}
@@ -219,7 +220,7 @@ class ZeroCheckpoint:
             place = self.places[name]
             sources.append(TensorSource(name, place.shape, torch.bfloat16, lambda n=name: self._bf16_pieces(n)))
         by_name = {s.name: s for s in sources}
-        for alias, source in (state.get("shared_params") or {}).items():
+        for alias, source in (state.get("shared_params") or {}).items() if tied_aliases else ():
             if source in by_name and alias not in by_name:
                 original = by_name[source]
                 by_name[alias] = TensorSource(alias, original.shape, original.dtype, original.read)

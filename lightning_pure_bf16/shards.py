@@ -166,21 +166,29 @@ def map_keys(sources: Sequence[TensorSource], key_map: Mapping[str, str] | None)
     return out
 
 
-def read_config(config: str | os.PathLike | None) -> bytes | None:
-    """The bytes of a ``config.json`` to put beside the weights (a file, or a directory holding one), checked to be
-    a JSON object."""
+def read_config(config: str | os.PathLike | None) -> dict[str, bytes]:
+    """The model's files to put beside the weights: a ``config.json`` (the file, or a directory holding one, checked to
+    be a JSON object) and, from a directory that has one, its ``generation_config.json``; by file name."""
     if config is None:
-        return None
+        return {}
     path = Path(config)
-    if path.is_dir():
+    directory = path if path.is_dir() else None
+    if directory is not None:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"No model config at '{path}': give a config.json file or the directory holding it.")
+    files = {"config.json": _json_object(path)}
+    if directory is not None and (directory / "generation_config.json").is_file():
+        files["generation_config.json"] = _json_object(directory / "generation_config.json")
+    return files
+
+
+def _json_object(path: Path) -> bytes:
     data = path.read_bytes()
     try:
         parsed = json.loads(data)
     except ValueError as err:
-        raise ValueError(f"'{path}' is not JSON ({err}); give the model's config.json.") from err
+        raise ValueError(f"'{path}' is not JSON ({err}); give the model's {path.name}.") from err
     if not isinstance(parsed, dict):
         raise ValueError(f"'{path}' holds a JSON {type(parsed).__name__}, not a model config (a JSON object).")
     return data
@@ -197,7 +205,7 @@ def save_sharded(
     output: str | os.PathLike,
     *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    config: bytes | None = None,
+    beside: Mapping[str, bytes] | None = None,
     prefix: str = "model",
     replace_weights: bool = False,
     on_staged: Callable[[], None] | None = None,
@@ -205,8 +213,9 @@ def save_sharded(
     """Write ``sources`` in Hugging Face's layout into the new directory ``output``: staged beside it, fsynced, and
     moved into place complete. With ``replace_weights``, ``output`` may also be a directory holding other files
     (a ``config.json``, a tokenizer): the weight files are staged inside it and replace the previous save's. Returns
-    the files and their tensors. ``on_staged`` is called once every file is on the disk, before any is moved into
-    place (a host writes its own files into ``output`` then)."""
+    the files and their tensors. ``beside`` are files written with the weights (``config.json``,
+    ``generation_config.json``), by name. ``on_staged`` is called once every file is on the disk, before any is
+    moved into place (a host writes its own files into ``output`` then)."""
     output = Path(output)
     into_existing = replace_weights and output.is_dir()
     if not into_existing:
@@ -229,8 +238,8 @@ def save_sharded(
                 "weight_map": {s.name: file for file, members in shards.items() for s in members},
             }
             (staged / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        if config is not None:
-            (staged / "config.json").write_bytes(config)
+        for name, data in (beside or {}).items():
+            (staged / name).write_bytes(data)
         fsync_tree(staged)
         if on_staged is not None:
             on_staged()

@@ -9,8 +9,10 @@ on the CPU (gloo), where Lightning's own ``DeepSpeedStrategy`` refuses to.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +34,7 @@ from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
+from lightning_pure_bf16.hf_models import partitioned_construction
 from lightning_pure_bf16.optim.adamw import AdamW
 from lightning_pure_bf16.optim.options import STATE_DIR_ENV, OptimizerOptions
 from lightning_pure_bf16.precision import PureBF16Precision
@@ -266,6 +269,14 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             reset_seed()
             self.set_world_ranks()
             self._init_deepspeed_distributed()
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # configure_model builds partitioned; a Hugging Face model built there is initialised and tied as
+        # transformers does under ZeRO-3 (hf_models.py).
+        with partitioned_construction(self.config), super().model_sharded_context():
+            yield
 
     @override
     def _setup_model_and_optimizer(
