@@ -412,6 +412,18 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     PrivateName(
         "deepspeed.runtime.zero.partition_parameters",
+        "cls._old_init = cls.__init__",
+        "marker",
+        "the __init__ zero.Init wrapped and restores on exit (zero_init_keeping_later_inits)",
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.partition_parameters",
+        "@functools.wraps(f)",
+        "marker",
+        "zero.Init's wrapper of a class's __init__ is known by its __wrapped__ (zero_init_keeping_later_inits)",
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.partition_parameters",
         "zero_init_context = 0",
         "marker",
         "whether zero.Init is open (from_pretrained refuses to build a model whole)",
@@ -1200,6 +1212,76 @@ def transformers_save_beside_weights(trainer: Any, output_dir: str) -> None:
     trainer._save(output_dir, state_dict={})
 
 
+def _module_subclasses() -> list[type]:
+    found, todo = [], [torch.nn.Module]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _init_calling(init: Callable[..., Any], original: Callable[..., Any]) -> Any:
+    """``init``, a function whose closure holds DeepSpeed's wrapper of ``original``, as a new function whose closure
+    holds ``original`` instead; None where its closure holds no such wrapper."""
+    import types
+
+    cells = init.__closure__ or ()
+    wrapped = [getattr(_cell_value(cell), "__wrapped__", None) is original for cell in cells]
+    if not any(wrapped):
+        return None
+    closure = tuple(types.CellType(original) if w else cell for cell, w in zip(cells, wrapped))
+    fixed = types.FunctionType(init.__code__, init.__globals__, init.__name__, init.__defaults__, closure)
+    fixed.__kwdefaults__, fixed.__qualname__ = init.__kwdefaults__, init.__qualname__
+    fixed.__dict__.update(init.__dict__)
+    return fixed
+
+
+@contextmanager
+def zero_init_keeping_later_inits(zero_init: Any) -> Iterator[None]:
+    """``zero_init`` (a ``deepspeed.zero.Init``) entered, with a DeepSpeed bug worked around at its exit.
+
+    DeepSpeed bug worked around here (0.19.8): ``zero.Init`` wraps the ``__init__`` of every ``nn.Module`` class
+    defined while it is open, and on leaving sets ``cls.__init__`` back to the function it wrapped, even where
+    something replaced ``cls.__init__`` after it wrapped it. A library that decorates its classes at import does that:
+    transformers' model files, through the ``kernels`` package's ``use_kernelized_func``, replace ``__init__`` with one
+    that also creates the module's ``_kernel_funcs``. A model family first imported inside the partitioned init
+    (``from_pretrained`` resolving its class, ``AutoModelForCausalLM`` inside ``configure_model``) therefore loses
+    that replacement when it closes, and every model of the family built afterwards in the process fails in its first
+    forward (``AttributeError: 'LlamaAttention' object has no attribute '_kernel_funcs'``). Here, for each class
+    defined inside, a replacement of DeepSpeed's wrapper is kept, calling the wrapped function instead of the wrapper
+    (the class is then as if defined outside). The bug and the fix: ``tests/test_hf_models.py::``
+    ``test_a_class_defined_inside_zero_init_keeps_a_later_init_bug_and_fix``.
+    """
+    from deepspeed.runtime.zero import partition_parameters
+
+    before = set(_module_subclasses())
+    repaired: dict[type, Any] = {}
+    with zero_init:
+        try:
+            yield
+        finally:
+            depth = _read(partition_parameters, "zero_init_context", "the depth of open zero.Init contexts")
+            for cls in _module_subclasses() if depth == 1 else ():  # only the outermost exit restores the classes
+                init, original = cls.__dict__.get("__init__"), getattr(cls, "_old_init", None)
+                if cls in before or init is None or original is None:
+                    continue
+                if getattr(init, "__wrapped__", None) is original:  # DeepSpeed's own wrapper: restored correctly
+                    continue
+                fixed = _init_calling(init, original)
+                if fixed is not None:
+                    repaired[cls] = fixed
+    for cls, init in repaired.items():
+        cls.__init__ = init
+
+
 def zero3_init_active() -> bool:
     """Whether a ``deepspeed.zero.Init`` context is open in this process (modules built now are partitioned)."""
     from deepspeed.runtime.zero import partition_parameters
@@ -1523,6 +1605,7 @@ __all__ = [
     "wrapped_sampler",
     "zero3_grad_partition_buffer",
     "zero3_init_active",
+    "zero_init_keeping_later_inits",
     "zero3_inner_optimizer",
     "zero3_master_partitions",
     "zero3_param_partitions",

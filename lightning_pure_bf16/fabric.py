@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -208,14 +207,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     def module_sharded_context(self) -> AbstractContextManager:
         # init_module builds partitioned; a Hugging Face model built there is initialised and tied as transformers
         # does under ZeRO-3 (hf_models.py).
-        zero_init = super().module_sharded_context()
-
-        @contextmanager
-        def both() -> Iterator[None]:
-            with partitioned_construction(self.config), zero_init:
-                yield
-
-        return both()
+        return partitioned_construction(super().module_sharded_context(), self.config)
 
     # ----------------------------------------------------------------------------------------------------- setup
     @override

@@ -42,17 +42,16 @@ def transformers_installed() -> bool:
 
 
 @contextlib.contextmanager
-def partitioned_construction(config: Mapping[str, Any] | None) -> Iterator[None]:
-    """Open around (before) ``deepspeed.zero.Init``: Hugging Face models built inside are initialised, tied and
-    loaded as transformers does under ZeRO-3, and transformers sees ZeRO-3 as enabled with ``config`` (its
-    ``is_deepspeed_zero3_enabled()``). Without transformers installed, nothing to do."""
-    if not transformers_installed():
-        yield
-        return
+def partitioned_construction(zero_init: Any, config: Mapping[str, Any] | None) -> Iterator[None]:
+    """``zero_init`` (the strategy's ``deepspeed.zero.Init``) entered so that Hugging Face models built inside are
+    initialised, tied and loaded as transformers does under ZeRO-3 (transformers sees ZeRO-3 as enabled with
+    ``config``: its ``is_deepspeed_zero3_enabled()``), and classes first imported inside work after it closes."""
     with contextlib.ExitStack() as stack:
-        if config is not None:
-            stack.enter_context(_internals.transformers_zero3_config(dict(config)))
-        stack.enter_context(_internals.transformers_partitioned_init())
+        if transformers_installed():  # both must be entered before zero.Init
+            if config is not None:
+                stack.enter_context(_internals.transformers_zero3_config(dict(config)))
+            stack.enter_context(_internals.transformers_partitioned_init())
+        stack.enter_context(_internals.zero_init_keeping_later_inits(zero_init))
         yield
 
 
@@ -190,11 +189,12 @@ def from_pretrained(
     checkpoint_files(directory)  # refuses a directory without safetensors weights, before anything is built
     try:
         config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, OSError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PretrainedError(
-            f"transformers {transformers.__version__} cannot read '{directory / 'config.json'}' ({err}). Its"
-            " model_type may be newer than this transformers: upgrade it, or pass trust_remote_code=True for a"
-            " repository that ships its model's code."
+            f"transformers {transformers.__version__} cannot read '{directory / 'config.json'}': {reason} A"
+            " model_type newer than this transformers: upgrade it; a repository that ships its model's code: pass"
+            " trust_remote_code=True."
         ) from err
     for name, value in config_overrides.items():
         if name == "attn_implementation":

@@ -275,7 +275,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         # configure_model builds partitioned; a Hugging Face model built there is initialised and tied as
         # transformers does under ZeRO-3 (hf_models.py).
-        with partitioned_construction(self.config), super().model_sharded_context():
+        with partitioned_construction(super().model_sharded_context(), self.config):
             yield
 
     @override

@@ -8,15 +8,12 @@ import json
 
 import pytest
 import torch
-from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_pure_bf16 import PretrainedError, load_pretrained
 from lightning_pure_bf16.pretrained import _flat_range
 from tests.scripts._models import MLP
-from tests.strategy_runs import fit, load_ranks
-from tests.test_fabric import fabric_run
 
 
 def pretrained_weights(seed: int = 7) -> dict[str, torch.Tensor]:
@@ -84,62 +81,6 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tm
     assert loaded.converted_keys == ["net.0.bias"] and "1 tensors of" in capsys.readouterr().out
     for name, value in module.state_dict().items():
         assert torch.equal(value, weights[name[len("net.") :]].to(torch.bfloat16)), name
-
-
-@pytest.fixture(scope="module")
-def pretrained_dir(tmp_path_factory):
-    """The weights in Hugging Face's sharded layout, written by huggingface_hub: several shards and their index."""
-    where = tmp_path_factory.mktemp("pretrained")
-    weights = pretrained_weights()
-    save_torch_state_dict(weights, where, max_shard_size=3000)
-    assert len(list(where.glob("model-*.safetensors"))) > 1
-    return where, weights
-
-
-def assert_partitions_are_the_files_slices(ranks, weights):
-    for rank, result in enumerate(ranks):
-        loaded = result["loaded_partitions"]
-        assert set(loaded) == {"net." + k for k in weights}
-        for name, (part, n) in loaded.items():
-            assert part is not None and part.dtype == torch.bfloat16, name  # partitioned as it was built
-            flat = weights[name[len("net.") :]].to(torch.bfloat16).reshape(-1)[rank * n : (rank + 1) * n]
-            assert torch.equal(part[: flat.numel()], flat), (rank, name)
-
-
-def test_the_trainer_and_fabric_load_each_ranks_partitions_and_train_at_8_bytes_per_param(pretrained_dir, tmp_path):
-    where, weights = pretrained_dir
-    key_map = {"": "net."}
-    saved = {"trainer": tmp_path / "trainer_saved", "fabric": tmp_path / "fabric" / "saved"}
-    fit(
-        tmp_path / "trainer",
-        steps=3,
-        pretrained=str(where),
-        key_map=key_map,
-        gather_full=True,
-        save_pretrained=str(saved["trainer"]),
-    )
-    (tmp_path / "fabric").mkdir()
-    fabric_run(tmp_path / "fabric", steps=3, pretrained=str(where), key_map=key_map, save_pretrained=True)
-    for front in ("trainer", "fabric"):
-        ranks = load_ranks(tmp_path / front)
-        assert_partitions_are_the_files_slices(ranks, weights)
-        for result in ranks:
-            assert result["memory_report"]["total"] == pytest.approx(8.0, abs=0.01), front
-            assert len(result["losses"]) == 3 and all(torch.isfinite(torch.tensor(result["losses"]))), front
-    # save_pretrained out of the live run (the LightningModule in on_train_end; what fabric.setup returned): the
-    # pretrained checkpoint's names and layout, the trained weights bit for bit.
-    trained = {
-        "trainer": load_ranks(tmp_path / "trainer")[0]["full_state"],
-        "fabric": load_ranks(tmp_path / "fabric")[0]["trained"],
-    }
-    for front, where_saved in saved.items():
-        index = json.loads((where_saved / "model.safetensors.index.json").read_text())
-        assert set(index["weight_map"]) == set(weights) and len(set(index["weight_map"].values())) > 1
-        for name, file in index["weight_map"].items():
-            with safe_open(where_saved / file, "pt") as f:
-                value = f.get_tensor(name)
-            assert value.dtype == torch.bfloat16 and torch.equal(value, trained[front]["net." + name]), (front, name)
-            assert not torch.equal(value, weights[name].to(torch.bfloat16)), name  # trained, not the file read in
 
 
 def test_transformers_from_pretrained_under_the_trainers_zero3_gives_the_files_partitions(tmp_path):
