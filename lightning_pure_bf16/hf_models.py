@@ -133,10 +133,10 @@ def from_pretrained(
     strategies: the config read, the model built under ZeRO-3's partitioned init with the random initialisation
     skipped (the weights come from the files), tied weights tied as the config says, each rank's partitions filled
     from safetensors slices (:func:`~lightning_pure_bf16.load_pretrained`: no rank reads or holds a whole tensor), any
-    weight the files lack (``strict=False``) initialised as transformers initialises it, and the model returned in
-    eval mode with its generation config, as transformers returns it. Call it where the strategy partitions what is
-    built: in a LightningModule's ``configure_model``, inside ``fabric.init_module()``, or inside
-    ``deepspeed.zero.Init``::
+    weight the files lack (``strict=False``) initialised as transformers initialises it, and the model returned with
+    its generation config, in training mode (transformers' returns eval mode; Lightning keeps a module's mode). Call
+    it where the strategy partitions what is built: in a LightningModule's ``configure_model``, inside
+    ``fabric.init_module()``, or inside ``deepspeed.zero.Init``::
 
         def configure_model(self):
             if self.model is None:
@@ -224,7 +224,9 @@ def from_pretrained(
         model.tie_weights()
     if model.can_generate() and (directory / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
-    model.eval()
+    # In training mode, as any module is built: transformers' from_pretrained returns eval mode, and Lightning keeps
+    # the mode a module has, so its dropout would stay off through the fit.
+    model.train()
     return model
 
 

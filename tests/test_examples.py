@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,52 @@ def test_gpt_yaml_through_lightning_cli(tmp_path):
     proc = _run(["gpt_cli.py", "fit", "--config", "gpt.yaml", *small])
     out = proc.stdout + proc.stderr
     assert "validation loss:" in out and "model state per parameter: 8.00 B/param" in out
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory):
+    """A tiny Llama-architecture model with a trained BPE tokenizer, as examples/local_model.py makes it."""
+    from local_model import save_local_model
+
+    return save_local_model(tmp_path_factory.mktemp("local") / "model", size="tiny")
+
+
+def test_finetune_example_fine_tunes_a_pretrained_model_and_saves_what_transformers_loads(local_model, tmp_path):
+    out = tmp_path / "tuned"
+    small = ["--max-steps", "6", "--batch-size", "2", "--block-size", "32", "--eval-blocks", "4", "--lr", "1e-2"]
+    proc = _run(["finetune.py", "--model", str(local_model), "--out", str(out), *small, "--max-new-tokens", "8"])
+    text = proc.stdout + proc.stderr
+    before = float(re.search(r"evaluation loss before fine-tuning: ([0-9.]+)", text).group(1))
+    after = float(re.search(r"evaluation loss after 6 steps: ([0-9.]+)", text).group(1))
+    assert after < before
+    assert "model state per parameter: 8.00 B/param" in text
+    assert "greedy generation of the saved model, reloaded by transformers:\ndef fibonacci(n):" in text
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "model.safetensors"} <= files
+    from transformers import AutoModelForCausalLM
+
+    tuned = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    start = AutoModelForCausalLM.from_pretrained(local_model, dtype=torch.bfloat16)
+    assert tuned.lm_head.weight is tuned.model.embed_tokens.weight  # tied, as the config says
+    assert not torch.equal(tuned.model.embed_tokens.weight, start.model.embed_tokens.weight)
+
+
+def test_finetune_yaml_through_lightning_cli(local_model, tmp_path):
+    small = [
+        f"--model.pretrained={local_model}",
+        f"--model.out={tmp_path / 'tuned'}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=2",
+        "--model.max_steps=2",
+        "--data.block_size=32",
+        "--data.batch_size=2",
+        "--data.train_blocks=8",
+        "--data.eval_blocks=2",
+    ]
+    proc = _run(["finetune_cli.py", "fit", "--config", "finetune.yaml", *small])
+    out = proc.stdout + proc.stderr
+    assert "evaluation loss after 2 steps" in out and "model state per parameter: 8.00 B/param" in out
+    assert (tmp_path / "tuned" / "config.json").is_file()
 
 
 def test_gpt_example_reports_loss_throughput_and_memory_and_resumes_mid_epoch_bit_for_bit(tmp_path):
