@@ -1,4 +1,6 @@
-"""The fine-tuning example through LightningCLI: ``python examples/finetune_cli.py fit --config examples/finetune.yaml``.
+"""The fine-tuning example through LightningCLI.
+
+    python examples/finetune_cli.py fit --config examples/finetune.yaml
 
 The model's directory or hub id (``model.pretrained``) is also the data's tokenizer (``data.pretrained``).
 """
