@@ -136,7 +136,7 @@ class FineTune(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = None
-        self.eval_loss = MeanMetric()
+        self.eval_loss = MeanMetric()  # kept in float32 by the strategy's precision plugin
         self.eval_losses: list[tuple[int, float]] = []
 
     def configure_model(self) -> None:

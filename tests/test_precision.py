@@ -69,6 +69,18 @@ def test_native_bf16_follows_torchs_cpu_capabilities(monkeypatch):
     assert precision_module.cpu_has_native_bf16()
 
 
+@pytest.mark.parametrize("plugin", [PureBF16Precision, precision_module.PureBF16FabricPrecision])
+def test_the_module_is_bf16_but_its_metrics_keep_their_dtype(plugin):
+    from torchmetrics import MeanMetric
+
+    module = torch.nn.Module()
+    module.linear, module.val_loss = torch.nn.Linear(4, 4), MeanMetric()
+    module = plugin().convert_module(module)
+    assert module.linear.weight.dtype == torch.bfloat16
+    module.val_loss.update(torch.tensor(5.6))
+    assert module.val_loss.compute().dtype == torch.float32 and module.val_loss.compute().item() == pytest.approx(5.6)
+
+
 def test_bad_option_is_refused():
     with pytest.raises(ValueError, match="cpu_matmul='fp16'"):
         PureBF16Precision(cpu_matmul="fp16")
