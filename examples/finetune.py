@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpt import lr_factor
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
@@ -171,14 +172,7 @@ class FineTune(LightningModule):
         no_decay = [p for p in self.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95))
-
-        def factor(step: int) -> float:  # linear warm-up, then cosine decay to 10%
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(hp.warmup_steps, hp.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_start(self) -> None:

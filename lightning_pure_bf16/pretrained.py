@@ -419,8 +419,8 @@ def save_pretrained(
         names: the module's names to write (default: every parameter and persistent buffer, tied ones once).
         config: a ``config.json`` (its path, its directory or its bytes) put beside the weights, with the
             directory's ``generation_config.json`` (default: ``None``: the config and generation config of the
-            transformers model inside ``module``, as transformers' ``save_pretrained`` writes them; nothing for
-            another model).
+            transformers model inside ``module``, as transformers' ``save_pretrained`` writes them, where the files
+            hold its names; nothing for another model, or for adapters around it).
         on_staged: called on the first rank once every weight file is on the disk, before they are moved into place
             (a host writes its own files into ``directory`` then).
 
@@ -440,10 +440,11 @@ def save_pretrained(
         beside = {"config.json": config}
     elif config is not None:
         beside = read_config(config)
-    else:  # a transformers model's own config, as its save_pretrained writes it
+    else:  # a transformers model's own config, as its save_pretrained writes it, where the files hold its names
         model = _outermost_pretrained_model(_unwrapped(module))
         dtype = next((s.dtype for s in sources if s.dtype.is_floating_point), torch.bfloat16)
-        beside = _model_files(model, dtype) if model is not None else {}
+        fits = model is not None and {s.name for s in sources} <= set(_module_targets(model))
+        beside = _model_files(model, dtype) if fits else {}
     plan = plan_shards(sources, max_shard_size)
     directory = Path(directory)
     problem: tuple[type[OSError], str] | None = None
