@@ -97,22 +97,19 @@ def test_finetune_example_fine_tunes_a_pretrained_model_and_saves_what_transform
     assert not torch.equal(tuned.model.embed_tokens.weight, start.model.embed_tokens.weight)
 
 
-def test_finetune_yaml_through_lightning_cli(local_model, tmp_path):
-    small = [
-        f"--model.pretrained={local_model}",
-        f"--model.out={tmp_path / 'tuned'}",
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.max_steps=2",
-        "--model.max_steps=2",
-        "--data.block_size=32",
-        "--data.batch_size=2",
-        "--data.train_blocks=8",
-        "--data.eval_blocks=2",
-    ]
-    proc = _run(["finetune_cli.py", "fit", "--config", "finetune.yaml", *small])
-    out = proc.stdout + proc.stderr
-    assert "evaluation loss after 2 steps" in out and "model state per parameter: 8.00 B/param" in out
-    assert (tmp_path / "tuned" / "config.json").is_file()
+def test_finetune_yaml_builds_the_run_through_lightning_cli(local_model, monkeypatch):
+    # Every key of the config is one of FineTune's, TextBlocks' or the Trainer's, the strategy's name is registered,
+    # and the model's directory reaches the data (the run itself is finetune.py's, tested above).
+    from finetune import FineTune, TextBlocks
+    from finetune_cli import FineTuneCLI
+
+    monkeypatch.chdir(EXAMPLES)
+    cli = FineTuneCLI(
+        FineTune, TextBlocks, run=False, args=["--config", "finetune.yaml", f"--model.pretrained={local_model}"]
+    )
+    assert cli.model.hparams.pretrained == str(local_model) == cli.datamodule.hparams.pretrained
+    assert type(cli.trainer.strategy).__name__ == "DeepSpeedPureBF16Strategy"
+    assert cli.trainer.max_steps == cli.model.hparams.max_steps
 
 
 def test_gpt_example_reports_loss_throughput_and_memory_and_resumes_mid_epoch_bit_for_bit(tmp_path):
