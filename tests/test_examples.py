@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -53,20 +54,32 @@ def test_train_gpt_script_with_states_in_files(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_gpt_yaml_through_lightning_cli(tmp_path):
-    small = [
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.max_steps=4",
-        "--trainer.val_check_interval=2",
-        "--model.n_layer=1",
-        "--model.n_embd=32",
-        "--model.max_steps=4",
-        "--data.batch_size=4",
-        "--data.train_windows=64",
-    ]
-    proc = _run(["gpt_cli.py", "fit", "--config", "gpt.yaml", *small])
-    out = proc.stdout + proc.stderr
-    assert "validation loss:" in out and "model state per parameter: 8.00 B/param" in out
+def _cli_run(cli_class, model_class, data_class, config: str, *args: str, monkeypatch):
+    """The run a LightningCLI config describes, built in this process (nothing trained): every key must be one of the
+    classes' or the Trainer's, and the strategy's name registered."""
+    monkeypatch.chdir(EXAMPLES)
+    environment = dict(os.environ)
+    try:
+        return cli_class(model_class, data_class, run=False, args=["--config", config, *args])
+    finally:  # seed_everything's PL_GLOBAL_SEED and the like stay out of the fits this process launches later
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def test_gpt_yaml_builds_the_main_jobs_run_through_lightning_cli(monkeypatch):
+    # The run itself is train_gpt.py's (the same module, data and report), tested above and below.
+    from gpt import GPTModule, StdlibBytes, TrainingReport
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_pure_bf16  # noqa: F401  (as gpt_cli.py: registers the config's strategy name)
+
+    cli = _cli_run(LightningCLI, GPTModule, StdlibBytes, "gpt.yaml", monkeypatch=monkeypatch)
+    trainer, data = cli.trainer, cli.datamodule
+    assert type(trainer.strategy).__name__ == "DeepSpeedPureBF16Strategy"
+    assert any(isinstance(c, TrainingReport) for c in trainer.callbacks)
+    assert trainer.max_steps == cli.model.hparams.max_steps
+    # One pass of max_steps batches on every process, as the config's comment says.
+    assert data.train_windows == trainer.max_steps * data.batch_size * trainer.num_devices
 
 
 @pytest.fixture(scope="module")
@@ -98,18 +111,17 @@ def test_finetune_example_fine_tunes_a_pretrained_model_and_saves_what_transform
 
 
 def test_finetune_yaml_builds_the_run_through_lightning_cli(local_model, monkeypatch):
-    # Every key of the config is one of FineTune's, TextBlocks' or the Trainer's, the strategy's name is registered,
-    # and the model's directory reaches the data (the run itself is finetune.py's, tested above).
+    # The model's directory reaches the data's tokenizer (the run itself is finetune.py's, tested above).
     from finetune import FineTune, TextBlocks
     from finetune_cli import FineTuneCLI
 
-    monkeypatch.chdir(EXAMPLES)
-    cli = FineTuneCLI(
-        FineTune, TextBlocks, run=False, args=["--config", "finetune.yaml", f"--model.pretrained={local_model}"]
-    )
+    args = [f"--model.pretrained={local_model}"]
+    cli = _cli_run(FineTuneCLI, FineTune, TextBlocks, "finetune.yaml", *args, monkeypatch=monkeypatch)
     assert cli.model.hparams.pretrained == str(local_model) == cli.datamodule.hparams.pretrained
     assert type(cli.trainer.strategy).__name__ == "DeepSpeedPureBF16Strategy"
     assert cli.trainer.max_steps == cli.model.hparams.max_steps
+    hp = cli.datamodule.hparams
+    assert hp.train_blocks == cli.trainer.max_steps * hp.batch_size * cli.trainer.num_devices
 
 
 def test_gpt_example_reports_loss_throughput_and_memory_and_resumes_mid_epoch_bit_for_bit(tmp_path):
