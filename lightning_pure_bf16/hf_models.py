@@ -161,8 +161,8 @@ def from_pretrained(
 
     Raises:
         PretrainedError: not a transformers checkpoint (no ``config.json``, no safetensors weights), an architecture
-            transformers does not know, weights that do not fit the model (names, shapes), or called outside the
-            partitioned init; all before any weight is read.
+            transformers does not know, a keyword that is not a config attribute, weights that do not fit the model
+            (names, shapes), or called outside the partitioned init; all before any weight is read.
         ValueError: a dtype other than bf16, fp16 or fp32.
     """
     torch_dtype = _dtype(dtype)
@@ -196,6 +196,12 @@ def from_pretrained(
             " model_type newer than this transformers: upgrade it; a repository that ships its model's code: pass"
             " trust_remote_code=True."
         ) from err
+    unknown = sorted(n for n in config_overrides if n != "attn_implementation" and not hasattr(config, n))
+    if unknown:
+        raise PretrainedError(
+            f"{type(config).__name__} has no {', '.join(map(repr, unknown))}: from_pretrained's keyword arguments"
+            " replace attributes of the model's config (such as use_cache=False, attn_implementation='sdpa')."
+        )
     for name, value in config_overrides.items():
         if name == "attn_implementation":
             _internals.transformers_set_attn_implementation(config, value)

@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from lightning_pure_bf16 import PretrainedError, export_pretrained, from_pretrained  # noqa: E402
 from lightning_pure_bf16.hf_models import partitioned_construction  # noqa: E402
@@ -143,6 +144,11 @@ def test_from_pretrained_refuses_what_it_cannot_build_before_building(one_rank, 
     config = json.loads((llama / "config.json").read_text())
     (renamed / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForTheFuture"]}))
     (renamed / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text((llama / "config.json").read_text())
+    kept = {k: v for k, v in load_file(llama / "model.safetensors").items() if k != "model.norm.weight"}
+    save_file(kept, partial / "model.safetensors")
     with partitioned_construction(deepspeed.zero.Init(config_dict_or_path=ZERO3), ZERO3):
         with pytest.raises(PretrainedError, match="is not a transformers checkpoint: it has no config.json"):
             from_pretrained(tmp_path / "weights_only")
@@ -150,16 +156,22 @@ def test_from_pretrained_refuses_what_it_cannot_build_before_building(one_rank, 
             from_pretrained(unknown)
         with pytest.raises(PretrainedError, match=r"architectures \['LlamaForTheFuture'\].*model_class="):
             from_pretrained(renamed)
+        with pytest.raises(PretrainedError, match="LlamaConfig has no 'use_cach'"):
+            from_pretrained(llama, use_cach=False)
         with pytest.raises(PretrainedError, match="No directory './nowhere'"):
             from_pretrained("./nowhere")
         with pytest.raises(PretrainedError, match="No safetensors checkpoint"):
             (tmp_path / "config_only").mkdir()
             (tmp_path / "config_only" / "config.json").write_text(json.dumps(config))
             from_pretrained(tmp_path / "config_only")
-        # The Auto class of the family, and strict=False: what the file lacks is initialised as transformers does.
-        model = from_pretrained(renamed, model_class=transformers.AutoModelForCausalLM)
+        # The Auto class of the family, a config override, and strict=False: what the file lacks is initialised as
+        # transformers initialises it, the rest loaded.
+        model = from_pretrained(partial, model_class=transformers.AutoModelForCausalLM, use_cache=False, strict=False)
         assert type(model) is transformers.LlamaForCausalLM and model.training
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight is model.model.embed_tokens.weight and model.config.use_cache is False
+        weights = _gathered(model)
+    assert torch.all(weights["model.norm.weight"] == 1)  # initialised, not left as the empty build's memory
+    assert all(torch.equal(weights[name], value) for name, value in kept.items())
 
 
 FRONTS = ("trainer", "fabric")
