@@ -48,7 +48,8 @@ def partitioned_construction(zero_init: Any, config: Mapping[str, Any] | None) -
     ``config``: its ``is_deepspeed_zero3_enabled()``), and classes first imported inside work after it closes."""
     with contextlib.ExitStack() as stack:
         if transformers_installed():  # both must be entered before zero.Init
-            if config is not None:
+            # transformers' ZeRO-3 paths (and its registered config) need Accelerate; the init fix does not.
+            if config is not None and importlib.util.find_spec("accelerate") is not None:
                 stack.enter_context(_internals.transformers_zero3_config(dict(config)))
             stack.enter_context(_internals.transformers_partitioned_init())
         stack.enter_context(_internals.zero_init_keeping_later_inits(zero_init))
