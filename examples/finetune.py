@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpt import lr_factor
+from gpt import adamw, lr_factor
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
@@ -166,12 +166,7 @@ class FineTune(LightningModule):
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's own union type
         hp = self.hparams
-        # Matrices decay, biases and norms do not; ZeRO-3 has partitioned the parameters into flat pieces by now, so
-        # their shape is read from ds_shape.
-        decay = [p for p in self.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
-        no_decay = [p for p in self.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95))
+        optimizer = adamw(self, hp.lr, hp.weight_decay)  # matrices decay; biases and norms do not
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(hp.warmup_steps, hp.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -246,9 +246,12 @@ class GPTModule(LightningModule):
 
 
 def adamw(module: nn.Module, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:
-    """torch AdamW with weight decay on the matrices only (biases and norms in a group without), betas (0.9, 0.95)."""
-    decay = [p for p in module.parameters() if p.ndim >= 2]
-    no_decay = [p for p in module.parameters() if p.ndim < 2]
+    """torch AdamW with weight decay on the matrices only (biases and norms in a group without), betas (0.9, 0.95).
+
+    A model built in ``configure_model`` is already partitioned by ZeRO-3 into flat pieces here, so a parameter's
+    shape is read from ``ds_shape`` where it has one."""
+    decay = [p for p in module.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for p in module.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
