@@ -44,6 +44,17 @@ def fit(out: Path, check: bool = True, **opts: object) -> subprocess.CompletedPr
     return run_script("fit_mlp.py", out, json.dumps(opts), check=check)
 
 
+def fit_runs(out: Path, runs: list[dict], env: dict[str, str] | None = None, **shared: object) -> Path:
+    """Several fits in one launch (one process group; see fit_mlp.py's ``main_runs``): ``runs`` each with a
+    ``"name"`` and its options over ``shared``. Each writes OUT/<name>/rank{R}.pt and OUT/<name>/output.txt."""
+    run_script("fit_mlp.py", out, json.dumps({**shared, "runs": runs}), **(env or {}))
+    return out
+
+
+def output(out: Path) -> str:
+    return (out / "output.txt").read_text()
+
+
 def fit_nodes(out: Path, num_nodes: int, **opts: object) -> None:
     """One fit over ``num_nodes`` simulated nodes on this machine, launched as a cluster launches them: the same
     command once per node with its ``NODE_RANK`` and one master address (Lightning launches each node's other ranks)."""

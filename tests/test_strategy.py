@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import re
 from pathlib import Path
 
@@ -16,58 +15,119 @@ import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision, StateStorageError
 from lightning_pure_bf16.plan import plan
 from lightning_pure_bf16.strategy import STATE_DIR_ENV
-from tests.strategy_runs import fit, load_ranks, run_script
+from tests.strategy_runs import fit_runs, load_ranks, output, run_script
 
 # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every buffer the
 # ZeRO optimizer holds is model state or a small fixed communication bucket.
 EXACT = {"config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}, "reduce_bucket_size": 10_000}
 
 
-@pytest.fixture(scope="module")
-def default_out(tmp_path_factory):
-    out = tmp_path_factory.mktemp("default")
-    opts = dict(devices=2, steps=8, scheduler=True, eval_loops=True, record_exit=True, record_grad_storage=True)
-    # Python's default warning filters, and a warning of the user's own at step 0 (known third-party ones are silenced).
-    proc = run_script("fit_mlp.py", out, json.dumps({**opts, "user_warning": True}), PYTHONWARNINGS="default")
-    (out / "log.txt").write_text(proc.stdout + proc.stderr)
-    return out
+GATHERED = {"steps": 3, "hidden": 384, "depth": 4, "bias": False, "freeze_layers": 3, "record_gathered": True}
+GATHER_BUCKET = 100_000
 
 
 @pytest.fixture(scope="module")
-def default_run(default_out):
-    return load_ranks(default_out)
+def two_ranks(tmp_path_factory):
+    """Every 2-rank fit of this module, one after the other in one launch (one process group), under Python's default
+    warning filters (known third-party warnings are silenced; a warning of the user's own at step 0 shows)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    for name in ("mmap_states", "int8_mmap_states"):
+        (out / name).mkdir()
+    mmap = {**EXACT, "state_storage": "mmap"}
+    runs = [
+        {
+            "name": "default",
+            "steps": 8,
+            "scheduler": True,
+            "eval_loops": True,
+            "record_exit": True,
+            "record_grad_storage": True,
+            "user_warning": True,
+        },
+        {
+            "name": "kahan",
+            "steps": 4,
+            # gather_cache="keep": DeepSpeed's own cache of gathered parameters.
+            "strategy": {**EXACT, "rounding": "kahan", "gather_cache": "keep"},
+            "optimizer": "torch_adam",
+            "clip": 0.5,
+            "accumulate": 2,
+            "freeze_first": True,
+            "record_grad_storage": True,
+        },
+        # Two identical fits, each with an inf/NaN gradient on rank 1 at step 2; the same with the states in files.
+        *({"name": f"exact{i}", "steps": 5, "strategy": EXACT, "nan_rank": 1, "nan_step": 2} for i in range(2)),
+        {
+            "name": "mmap",
+            "steps": 5,
+            "strategy": {**mmap, "state_dir": str(out / "mmap_states")},
+            "nan_rank": 1,
+            "nan_step": 2,
+        },
+        {
+            "name": "int8_mmap",
+            "steps": 3,
+            "strategy": {**mmap, "state_dir": str(out / "int8_mmap_states"), "moments": "int8"},
+        },
+        *(
+            {
+                "name": f"gathered_{cache}",
+                **GATHERED,
+                "strategy": {"reduce_bucket_size": GATHER_BUCKET, "gather_cache": cache},
+            }
+            for cache in ("layer", "next", "auto")
+        ),
+        # A small sub-group size splits each rank's partition into several ZeRO-3 sub-groups. Counting the update
+        # calls and undoing the aliasing fix replace functions for the rest of the process: the last two fits.
+        {"name": "sub_groups", "steps": 3, "strategy": {**EXACT, "sub_group_size": 1500}, "count_updates": True},
+        {"name": "no_alias_fix", "steps": 1, "strategy": EXACT, "no_alias_fix": True},
+    ]
+    return fit_runs(out, runs, env={"PYTHONWARNINGS": "default"}, devices=2)
 
 
 @pytest.fixture(scope="module")
-def kahan_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kahan")
-    strategy = {**EXACT, "rounding": "kahan", "gather_cache": "keep"}  # DeepSpeed's own cache of gathered parameters
-    fit(
-        out,
-        devices=2,
-        steps=4,
-        strategy=strategy,
-        optimizer="torch_adam",
-        clip=0.5,
-        accumulate=2,
-        freeze_first=True,
-        record_grad_storage=True,
-    )
-    return load_ranks(out)
+def one_rank(tmp_path_factory):
+    """Every 1-rank fit of this module in one launch: the refusals (each error written to its output), then the fits
+    that replace a function for the rest of the process."""
+    out = tmp_path_factory.mktemp("one_rank")
+    for name in ("mmap_pure", "no_space"):
+        (out / name / "states").mkdir(parents=True)
+    runs = [
+        {"name": "sgd", "steps": 1, "optimizer": "sgd", "expect_error": True},
+        {"name": "torch_amsgrad", "steps": 1, "optimizer": "torch_amsgrad", "expect_error": True},
+        {
+            "name": "mmap_pure",
+            "steps": 1,
+            "optimizer": "pure",
+            "strategy": {"state_storage": "mmap", "state_dir": str(out / "mmap_pure" / "states")},
+            "expect_error": True,
+        },
+        {"name": "pure", "steps": 2, "optimizer": "pure"},
+        {
+            "name": "no_space",
+            "steps": 2,
+            "strategy": {"state_storage": "mmap", "state_dir": str(out / "no_space" / "states")},
+            "fake_free_bytes": 1000,
+            "expect_error": True,
+        },
+        {"name": "gpu_host", "steps": 2, "deepspeed_picked_cuda": True},
+    ]
+    return fit_runs(out, runs, devices=1)
 
 
 @pytest.fixture(scope="module")
-def exact_outs(tmp_path_factory):
-    """Two identical fits, each with an inf/NaN gradient on rank 1 at step 2."""
-    outs = [tmp_path_factory.mktemp(f"exact{i}") for i in range(2)]
-    for out in outs:
-        fit(out, devices=2, steps=5, strategy=EXACT, nan_rank=1, nan_step=2)
-    return outs
+def default_run(two_ranks):
+    return load_ranks(two_ranks / "default")
 
 
 @pytest.fixture(scope="module")
-def exact_runs(exact_outs):
-    return [load_ranks(out) for out in exact_outs]
+def kahan_run(two_ranks):
+    return load_ranks(two_ranks / "kahan")
+
+
+@pytest.fixture(scope="module")
+def exact_runs(two_ranks):
+    return [load_ranks(two_ranks / f"exact{i}") for i in range(2)]
 
 
 def _state_buffers(result: dict) -> list[tuple[str, torch.dtype, int]]:
@@ -149,7 +209,7 @@ def test_same_seed_same_weights(exact_runs):
     assert first[0]["seed"] != first[1]["seed"]  # each rank has its own noise stream
 
 
-def test_nonfinite_gradient_on_one_rank_skips_everywhere(exact_outs, exact_runs):
+def test_nonfinite_gradient_on_one_rank_skips_everywhere(two_ranks, exact_runs):
     ranks = exact_runs[0]
     for r in ranks:
         assert r["skipped_steps"] == 1
@@ -157,13 +217,12 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere(exact_outs, exact_runs)
         assert all(torch.isfinite(torch.tensor(x)) for x in r["losses"][3:])
     # One skipped step: the step counters of the optimizer lag the trainer's by one.
     assert all(int(s["step"]) == ranks[0]["global_step"] - 1 for s in ranks[0]["state"].values())
-    metrics = list(csv.DictReader(open(next(exact_outs[0].glob("logs/version_*/metrics.csv")))))
+    metrics = list(csv.DictReader(open(next((two_ranks / "exact0").glob("logs/version_*/metrics.csv")))))
     assert any(row.get("pure_bf16/skipped_steps") == "1.0" for row in metrics)
 
 
-def test_without_the_aliasing_fix_deepspeed_keeps_a_second_bf16_copy(tmp_path):
-    fit(tmp_path, devices=2, steps=1, strategy=EXACT, no_alias_fix=True)
-    report = load_ranks(tmp_path)[0]["memory_report"]
+def test_without_the_aliasing_fix_deepspeed_keeps_a_second_bf16_copy(two_ranks):
+    report = load_ranks(two_ranks / "no_alias_fix")[0]["memory_report"]
     assert report["master"] == pytest.approx(2.0) and report["total"] == pytest.approx(10.0)
 
 
@@ -171,22 +230,20 @@ def test_without_the_aliasing_fix_deepspeed_keeps_a_second_bf16_copy(tmp_path):
     ("optimizer", "match"),
     [("sgd", "can convert `torch.optim.AdamW` and `torch.optim.Adam`"), ("torch_amsgrad", "amsgrad=True")],
 )
-def test_unconvertible_optimizer_is_a_clear_error(tmp_path, optimizer, match):
-    proc = fit(tmp_path, check=False, devices=1, steps=1, optimizer=optimizer)
-    assert proc.returncode != 0
-    assert match in proc.stderr
+def test_unconvertible_optimizer_is_a_clear_error(one_rank, optimizer, match):
+    assert not (one_rank / optimizer / "rank0.pt").exists()
+    assert match in output(one_rank / optimizer)
 
 
-def test_project_optimizer_passed_directly_is_used(tmp_path):
-    fit(tmp_path, devices=1, steps=2, optimizer="pure")
-    r = torch.load(tmp_path / "rank0.pt", weights_only=False)
+def test_project_optimizer_passed_directly_is_used(one_rank):
+    r = load_ranks(one_rank / "pure", 1)[0]
     assert r["optimizer_class"] == "AdamW" and r["rounding"] == ["kahan", "kahan"]
 
 
-def test_the_process_group_the_strategy_made_is_destroyed_before_the_interpreter_finalizes(default_out):
+def test_the_process_group_the_strategy_made_is_destroyed_before_the_interpreter_finalizes(two_ranks):
     # Left to the interpreter's own teardown, gloo's threads can abort a finished fit (benchmarks/exit_stress.py).
     for rank in range(2):
-        assert (default_out / f"exit_rank{rank}.txt").read_text() == "False"
+        assert (two_ranks / "default" / f"exit_rank{rank}.txt").read_text() == "False"
 
 
 def test_the_step_updates_from_the_gradient_partition_itself_not_a_copy(default_run, kahan_run):
@@ -196,14 +253,14 @@ def test_the_step_updates_from_the_gradient_partition_itself_not_a_copy(default_
         assert r["step_grad_is_partition_view"] and all(r["step_grad_is_partition_view"])
 
 
-def test_the_peak_of_the_fit_is_measured_and_logged_beside_model_state(default_out, default_run):
+def test_the_peak_of_the_fit_is_measured_and_logged_beside_model_state(two_ranks, default_run):
     for r in default_run:
         peak = r["peak_memory"]
         assert peak["source"] == "resident set (VmHWM)"
         assert peak["peak_gib"] >= peak["at_setup_gib"] > 0
         assert peak["model_state_per_param"] == r["memory_report"]["total"] == 8.0
         assert peak["above_setup_per_param"] >= 0
-    log = (default_out / "log.txt").read_text()
+    log = output(two_ranks / "default")
     assert "memory of rank 0 during the fit:" in log and "GiB at the peak" in log and "no figure per parameter" in log
 
 
@@ -211,20 +268,19 @@ def test_cpu_loop_is_ready_before_the_first_step(default_run):
     assert all(r["cpu_loop_ready_at_first_step"] for r in default_run)
 
 
-def test_cpu_fit_on_a_gpu_host_uses_deepspeeds_cpu_accelerator(tmp_path):
+def test_cpu_fit_on_a_gpu_host_uses_deepspeeds_cpu_accelerator(one_rank):
     # On a GPU host DeepSpeed picks its CUDA accelerator; `accelerator="cpu"` must still train on the CPU with gloo.
-    fit(tmp_path, devices=1, steps=2, deepspeed_picked_cuda=True)
-    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["global_step"] == 2
+    assert load_ranks(one_rank / "gpu_host", 1)[0]["global_step"] == 2
 
 
-def test_known_third_party_warnings_are_silenced_and_a_users_own_still_shows(default_out):
+def test_known_third_party_warnings_are_silenced_and_a_users_own_still_shows(two_ranks):
     from lightning_pure_bf16._warnings import KNOWN_LOG_RECORDS
 
-    output = (default_out / "log.txt").read_text()
+    shown = output(two_ranks / "default")
     for known in ("all_gather_into_tensor` is deprecated", "reduce_scatter_tensor` is deprecated", "LeafSpec"):
-        assert known not in output
-    assert all(start not in output for _, start in KNOWN_LOG_RECORDS)
-    assert "a user's own warning at step 0" in output
+        assert known not in shown
+    assert all(start not in shown for _, start in KNOWN_LOG_RECORDS)
+    assert "a user's own warning at step 0" in shown
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])
@@ -402,11 +458,8 @@ def test_lightning_cli(tmp_path, source):
         assert r["memory_report"]["state_files"] == pytest.approx(6.0 if expected == "kahan" else 4.0)
 
 
-def test_one_update_call_per_sub_group_per_step(tmp_path):
-    # A small sub-group size splits each rank's partition into several ZeRO-3 sub-groups.
-    strategy = {**EXACT, "sub_group_size": 1500}
-    fit(tmp_path, devices=2, steps=3, strategy=strategy, count_updates=True)
-    for r in load_ranks(tmp_path):
+def test_one_update_call_per_sub_group_per_step(two_ranks):
+    for r in load_ranks(two_ranks / "sub_groups"):
         assert r["sub_groups"] > 1
         # Each step updates every sub-group's whole flat partition exactly once.
         assert r["update_calls"] == r["sub_group_numels"] * 3
@@ -414,12 +467,8 @@ def test_one_update_call_per_sub_group_per_step(tmp_path):
 
 # ------------------------------------------------------------------------------------ states in mmap files
 @pytest.fixture(scope="module")
-def mmap_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mmap")
-    state_dir = tmp_path_factory.mktemp("mmap_states")
-    strategy = {**EXACT, "state_storage": "mmap", "state_dir": str(state_dir)}
-    fit(out, devices=2, steps=5, strategy=strategy, nan_rank=1, nan_step=2)  # as exact_runs
-    return state_dir, load_ranks(out)
+def mmap_run(two_ranks):
+    return two_ranks / "mmap_states", load_ranks(two_ranks / "mmap")  # as exact_runs
 
 
 def test_mmap_states_train_exactly_like_in_memory_states(exact_runs, mmap_run):
@@ -434,12 +483,8 @@ def test_mmap_states_train_exactly_like_in_memory_states(exact_runs, mmap_run):
                 assert torch.equal(sa[key][real], sb[key][real]), key
 
 
-def test_8bit_states_in_files_leave_4_bytes_per_param_in_memory_and_2_in_files(tmp_path):
-    state_dir = tmp_path / "states"
-    state_dir.mkdir()
-    strategy = {**EXACT, "state_storage": "mmap", "state_dir": str(state_dir), "moments": "int8"}
-    fit(tmp_path, devices=2, steps=3, strategy=strategy)
-    for r in load_ranks(tmp_path):
+def test_8bit_states_in_files_leave_4_bytes_per_param_in_memory_and_2_in_files(two_ranks):
+    for r in load_ranks(two_ranks / "int8_mmap"):
         report = r["memory_report"]
         assert report["total"] == pytest.approx(4.0)
         assert 2.0 < report["state_files"] <= 2.05
@@ -468,21 +513,18 @@ def test_mmap_states_leave_4_bytes_per_param_in_memory(mmap_run):
     assert list(state_dir.iterdir()) == []
 
 
-def test_mmap_strategy_refuses_an_in_memory_optimizer(tmp_path):
-    strategy = {"state_storage": "mmap", "state_dir": str(tmp_path)}
-    proc = fit(tmp_path, check=False, devices=1, steps=1, optimizer="pure", strategy=strategy)
-    assert proc.returncode != 0
-    assert "keeps optimizer states in memory-mapped files" in proc.stderr
+def test_mmap_strategy_refuses_an_in_memory_optimizer(one_rank):
+    assert not (one_rank / "mmap_pure" / "rank0.pt").exists()
+    assert "keeps optimizer states in memory-mapped files" in output(one_rank / "mmap_pure")
 
 
-def test_mmap_states_that_do_not_fit_on_the_disk_fail_at_setup(tmp_path):
-    strategy = {"state_storage": "mmap", "state_dir": str(tmp_path)}
-    proc = fit(tmp_path, check=False, devices=1, steps=2, strategy=strategy, fake_free_bytes=1000)
-    assert proc.returncode != 0
-    assert "the optimizer states need" in proc.stderr and "has 1000 bytes free" in proc.stderr
+def test_mmap_states_that_do_not_fit_on_the_disk_fail_at_setup(one_rank):
+    shown = output(one_rank / "no_space")
+    assert not (one_rank / "no_space" / "rank0.pt").exists()
+    assert "the optimizer states need" in shown and "has 1000 bytes free" in shown
     # Raised while the strategy allocates the states, before the first training step.
-    assert "init_zero3_optimizer_state" in proc.stderr and "training_step" not in proc.stderr
-    assert not any(tmp_path.rglob("*.bin"))
+    assert "init_zero3_optimizer_state" in shown and "training_step" not in shown
+    assert not any((one_rank / "no_space" / "states").rglob("*.bin"))
 
 
 def test_mmap_preset_takes_the_state_dir_from_the_environment(tmp_path, monkeypatch):
@@ -526,7 +568,7 @@ def test_mmap_state_dir_in_memory_is_warned_about(tmp_path, monkeypatch):
         DeepSpeedPureBF16Strategy(state_storage="mmap", state_dir=tmp_path)
 
 
-def test_a_step_holds_one_layer_gathered_or_two_with_next_and_the_report_counts_frozen_layers(tmp_path):
+def test_a_step_holds_one_layer_gathered_or_two_with_next_and_the_report_counts_frozen_layers(two_ranks):
     # Four 384 x 384 layers (each above ZeRO-3's persistence threshold, so partitioned), sampled at every module's
     # forward and backward: with DeepSpeed's own settings (gather_cache="keep") ZeRO-3 prefetches and holds all four
     # at once (589,824 elements); the default holds the layer it is working on. The first three of the six linear
@@ -536,17 +578,10 @@ def test_a_step_holds_one_layer_gathered_or_two_with_next_and_the_report_counts_
     # gradient until the next layer's had been computed).
     # gather_cache="next" gathers the next layer while one computes: two layers at once, never more, the same bits;
     # "auto" does the same after its first step where the memory allows it (here it does).
-    bucket = 100_000
-    opts = {"devices": 2, "steps": 3, "hidden": 384, "depth": 4, "bias": False, "freeze_layers": 3}
-    proc = fit(tmp_path, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket})
-    ahead = tmp_path / "next"
-    ahead.mkdir()
-    fit(ahead, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket, "gather_cache": "next"})
-    auto = tmp_path / "auto"
-    auto.mkdir()
-    proc_auto = fit(auto, **opts, record_gathered=True, strategy={"reduce_bucket_size": bucket, "gather_cache": "auto"})
-    assert "the next layer is gathered ahead from now on" in proc_auto.stderr  # this machine has room for it
-    for rank, next_rank, auto_rank in zip(load_ranks(tmp_path), load_ranks(ahead), load_ranks(auto)):
+    bucket = GATHER_BUCKET
+    layer, ahead, auto = (two_ranks / f"gathered_{cache}" for cache in ("layer", "next", "auto"))
+    assert "the next layer is gathered ahead from now on" in output(auto)  # this machine has room for it
+    for rank, next_rank, auto_rank in zip(load_ranks(layer), load_ranks(ahead), load_ranks(auto)):
         # The first step as "layer", the rest as "next".
         assert (
             auto_rank["most_gathered_per_step"]
@@ -568,5 +603,5 @@ def test_a_step_holds_one_layer_gathered_or_two_with_next_and_the_report_counts_
         planned_per_param = planned.per_gpu_model_state_gib["pure_bf16_stochastic"] * 1024**3 * 2 / 1e9
         assert report["whole_model"] == pytest.approx(planned_per_param, rel=0.05)
         assert report["whole_model"] == pytest.approx(5.0, rel=0.05)
-    said = re.search(r"frozen: 2\.00 B/param over [\d,]+ elements; whole model: (\d\.\d\d) B/param", proc.stderr)
+    said = re.search(r"frozen: 2\.00 B/param over [\d,]+ elements; whole model: (\d\.\d\d) B/param", output(layer))
     assert said and float(said.group(1)) == pytest.approx(5.0, rel=0.05)

@@ -6,8 +6,11 @@ Run as a script (Lightning's subprocess launcher starts the other ranks by re-ru
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -49,7 +52,6 @@ class KillRankAtStep(Callback):
 
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            import os
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
@@ -377,7 +379,6 @@ def _record_process_group_at_exit(out: Path) -> None:
     """Registered before the fit, so it runs after every exit handler the fit registers (last in, first out): writes
     whether a process group was still alive when the interpreter was about to finalize."""
     import atexit
-    import os
 
     def record() -> None:
         rank = os.environ.get("LOCAL_RANK", "0")
@@ -416,7 +417,6 @@ def _count_update_calls() -> list:
 
 def _kill_after_first_staged_file() -> None:
     """Simulate a crash in the middle of a save: exit right after the first file of the staged save is written."""
-    import os
 
     original = torch.save
 
@@ -428,5 +428,66 @@ def _kill_after_first_staged_file() -> None:
     torch.save = save
 
 
+def main_runs(out: Path, opts: dict) -> None:
+    """Several fits one after the other in the same processes (one launch, one process group), as a user's script
+    may run them: ``opts["runs"]`` lists each fit's options over the shared ones. Each fit writes to OUT/<its name>,
+    its output (both ranks') to OUT/<its name>/output.txt; ``"env"`` sets environment variables for that fit only;
+    ``"expect_error": True`` (one rank only) writes the error to the output and goes on to the next fit."""
+    runs = opts.pop("runs", None)
+    if runs is None:
+        return main(out, opts)
+    for run in runs:
+        run = {**opts, **run}
+        run_out = out / run["name"]
+        run_out.mkdir(parents=True, exist_ok=True)
+        with _output_to(run_out / "output.txt"), _environment(run.get("env", {})):
+            try:
+                main(run_out, run)
+            except Exception:
+                if not run.get("expect_error"):
+                    raise
+                traceback.print_exc()
+
+
+@contextlib.contextmanager
+def _output_to(path: Path):
+    """This process's stdout and stderr (file descriptors: Python's, C++'s and DeepSpeed's output alike) appended to
+    ``path``; on an error, the end of it is shown on the real stderr too."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    except BaseException:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(saved[1], f"--- output of {path.parent.name}:\n{path.read_text()[-6000:]}\n".encode())
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), saved):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    main_runs(Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
