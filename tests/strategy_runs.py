@@ -44,10 +44,12 @@ def fit(out: Path, check: bool = True, **opts: object) -> subprocess.CompletedPr
     return run_script("fit_mlp.py", out, json.dumps(opts), check=check)
 
 
-def fit_runs(out: Path, runs: list[dict], env: dict[str, str] | None = None, **shared: object) -> Path:
-    """Several fits in one launch (one process group; see fit_mlp.py's ``main_runs``): ``runs`` each with a
-    ``"name"`` and its options over ``shared``. Each writes OUT/<name>/rank{R}.pt and OUT/<name>/output.txt."""
-    run_script("fit_mlp.py", out, json.dumps({**shared, "runs": runs}), **(env or {}))
+def fit_runs(
+    out: Path, runs: list[dict], env: dict[str, str] | None = None, script: str = "fit_mlp.py", **shared: object
+) -> Path:
+    """Several fits in one launch (one process group; see scripts/_runs.py): ``runs`` each with a ``"name"`` and its
+    options over ``shared``. Each writes OUT/<name>/rank{R}.pt and OUT/<name>/output.txt."""
+    run_script(script, out, json.dumps({**shared, "runs": runs}), **(env or {}))
     return out
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.strategy_runs import load_ranks, run_script
+from tests.strategy_runs import load_ranks, output, run_script
 
 # rounding / state formats: the options of each pair of runs (with and without release).
 FORMATS = {
@@ -259,30 +259,45 @@ def test_a_second_backward_before_the_step_is_refused(runs):
 # ---------------------------------------------------------------------------------------------- Trainer, Fabric
 @pytest.fixture(scope="module")
 def front_end_runs(tmp_path_factory):
-    from tests.strategy_runs import fit
-    from tests.test_fabric import fabric_run
+    """The Trainer's presets in one launch and Fabric's options in another, with and without release, and with the
+    states in files (the Trainer's preset takes its directory from the environment)."""
+    from tests.strategy_runs import fit_runs
 
-    out = {name: tmp_path_factory.mktemp(name) for name in ("fit", "fit_release", "fabric", "fabric_release")}
-    fit(out["fit"], steps=4, strategy="deepspeed_pure_bf16_int8", scheduler=True)
-    # Warnings shown (the runs hide them otherwise): the scheduler's order warning is checked below.
-    release_opts = {"steps": 4, "strategy": "deepspeed_pure_bf16_int8_release", "scheduler": True}
-    proc = run_script("fit_mlp.py", out["fit_release"], json.dumps(release_opts), PYTHONWARNINGS="default")
-    fabric_run(out["fabric"], steps=4, strategy={"moments": "int8"})
-    fabric_run(out["fabric_release"], steps=4, strategy="deepspeed_pure_bf16_int8_release")
-    # The same with the states in files: the Trainer's preset (its directory from the environment), Fabric's options.
-    for name in ("fit_mmap_release", "fabric_mmap_release"):
-        out[name] = tmp_path_factory.mktemp(name)
-        (out[name] / "states").mkdir()
-    mmap_opts = {**release_opts, "strategy": "deepspeed_pure_bf16_int8_mmap_release"}
-    run_script(
-        "fit_mlp.py",
-        out["fit_mmap_release"],
-        json.dumps(mmap_opts),
-        PURE_BF16_STATE_DIR=str(out["fit_mmap_release"] / "states"),
+    trainer, fabric = tmp_path_factory.mktemp("trainer"), tmp_path_factory.mktemp("fabric")
+    for out in (trainer, fabric):
+        (out / "states").mkdir()
+    # Under Python's default warning filters (the runs hide warnings otherwise), the release fit first: a warning is
+    # shown once per process, and the scheduler's order warning is looked for in its output.
+    fit_runs(
+        trainer,
+        [
+            {"name": "fit_release", "strategy": "deepspeed_pure_bf16_int8_release"},
+            {"name": "fit", "strategy": "deepspeed_pure_bf16_int8"},
+            {
+                "name": "fit_mmap_release",
+                "strategy": "deepspeed_pure_bf16_int8_mmap_release",
+                "env": {"PURE_BF16_STATE_DIR": str(trainer / "states")},
+            },
+            {"name": "accumulate", "strategy": "deepspeed_pure_bf16_release", "accumulate": 2, "expect_error": True},
+        ],
+        env={"PYTHONWARNINGS": "default"},
+        steps=4,
+        scheduler=True,
     )
-    files = {"state_storage": "mmap", "state_dir": str(out["fabric_mmap_release"] / "states")}
-    fabric_run(out["fabric_mmap_release"], steps=4, strategy={"moments": "int8", "gradient_release": True, **files})
-    return {**{name: load_ranks(path) for name, path in out.items()}, "fit_release_stderr": proc.stderr}
+    files = {"state_storage": "mmap", "state_dir": str(fabric / "states")}
+    fit_runs(
+        fabric,
+        [
+            {"name": "fabric", "strategy": {"moments": "int8"}},
+            {"name": "fabric_release", "strategy": "deepspeed_pure_bf16_int8_release"},
+            {"name": "fabric_mmap_release", "strategy": {"moments": "int8", "gradient_release": True, **files}},
+        ],
+        script="fabric_mlp.py",
+        steps=4,
+    )
+    found = {name: load_ranks(trainer / name) for name in ("fit", "fit_release", "fit_mmap_release")}
+    found |= {name: load_ranks(fabric / name) for name in ("fabric", "fabric_release", "fabric_mmap_release")}
+    return found | {"fit_release_output": output(trainer / "fit_release"), "accumulate": trainer / "accumulate"}
 
 
 def test_the_trainer_and_fabric_presets_train_at_4_bytes_per_param_with_the_steps_bits(front_end_runs):
@@ -309,17 +324,14 @@ def test_the_trainer_and_fabric_train_at_2_bytes_per_param_with_release_and_stat
 def test_a_scheduler_follows_the_released_steps_without_a_warning(front_end_runs):
     # The inner optimizer's step() is never called under release: its steps are marked for torch's LRScheduler, so
     # the first scheduler.step() does not warn that it came before optimizer.step(), and the schedule is the same.
-    assert "before `optimizer.step()`" not in front_end_runs["fit_release_stderr"]
+    assert "before `optimizer.step()`" not in front_end_runs["fit_release_output"]
     for a, b in zip(front_end_runs["fit"], front_end_runs["fit_release"]):
         assert a["lrs"] == b["lrs"] and len(set(b["lrs"])) > 1
 
 
-def test_the_trainer_refuses_accumulation_with_release(tmp_path):
-    from tests.strategy_runs import fit
-
-    proc = fit(tmp_path, check=False, steps=2, accumulate=2, strategy="deepspeed_pure_bf16_release")
-    assert proc.returncode != 0
-    assert "cannot accumulate gradients over 2 micro-batches" in proc.stderr + proc.stdout
+def test_the_trainer_refuses_accumulation_with_release(front_end_runs):
+    assert not (front_end_runs["accumulate"] / "rank0.pt").exists()
+    assert "cannot accumulate gradients over 2 micro-batches" in output(front_end_runs["accumulate"])
 
 
 # ------------------------------------------------------------------------------------------------ the optimizer

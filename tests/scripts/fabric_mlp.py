@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from _models import MLP, data, param_groups, partitions
+from _runs import run_all
 from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader
@@ -201,4 +202,4 @@ def main(out: Path, opts: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    run_all(main, Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})

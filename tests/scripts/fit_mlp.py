@@ -6,11 +6,9 @@ Run as a script (Lightning's subprocess launcher starts the other ranks by re-ru
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -19,9 +17,11 @@ import torch
 try:  # run as a script (this folder on the path), or imported as tests.scripts.fit_mlp by a test
     from _models import MLP as Layers
     from _models import data, param_groups, partitions
+    from _runs import run_all
 except ImportError:
     from tests.scripts._models import MLP as Layers
     from tests.scripts._models import data, param_groups, partitions
+    from tests.scripts._runs import run_all
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -428,66 +428,5 @@ def _kill_after_first_staged_file() -> None:
     torch.save = save
 
 
-def main_runs(out: Path, opts: dict) -> None:
-    """Several fits one after the other in the same processes (one launch, one process group), as a user's script
-    may run them: ``opts["runs"]`` lists each fit's options over the shared ones. Each fit writes to OUT/<its name>,
-    its output (both ranks') to OUT/<its name>/output.txt; ``"env"`` sets environment variables for that fit only;
-    ``"expect_error": True`` (one rank only) writes the error to the output and goes on to the next fit."""
-    runs = opts.pop("runs", None)
-    if runs is None:
-        return main(out, opts)
-    for run in runs:
-        run = {**opts, **run}
-        run_out = out / run["name"]
-        run_out.mkdir(parents=True, exist_ok=True)
-        with _output_to(run_out / "output.txt"), _environment(run.get("env", {})):
-            try:
-                main(run_out, run)
-            except Exception:
-                if not run.get("expect_error"):
-                    raise
-                traceback.print_exc()
-
-
-@contextlib.contextmanager
-def _output_to(path: Path):
-    """This process's stdout and stderr (file descriptors: Python's, C++'s and DeepSpeed's output alike) appended to
-    ``path``; on an error, the end of it is shown on the real stderr too."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    try:
-        yield
-    except BaseException:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.write(saved[1], f"--- output of {path.parent.name}:\n{path.read_text()[-6000:]}\n".encode())
-        raise
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for target, fd in zip((1, 2), saved):
-            os.dup2(fd, target)
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def _environment(values: dict):
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 if __name__ == "__main__":
-    main_runs(Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    run_all(main, Path(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
