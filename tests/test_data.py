@@ -10,8 +10,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _get_distributed
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_pure_bf16.data import distributed_sampler_by_seed, resume_dataloader
-from tests.strategy_runs import fit, load_ranks, run_script
-from tests.test_fabric import fabric_run
+from tests.strategy_runs import fit_runs, load_ranks
 
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch. A checkpoint at step 12 is in the middle of the second epoch (the
 # sampler's epoch matters), and the run goes on across the next epoch boundary (step 16).
@@ -38,30 +37,49 @@ def _assert_same_run_from(whole: list[dict], resumed: list[dict], step: int) -> 
                     assert torch.equal(sa[key][real], sb[key][real]), key
 
 
-@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader", "StatefulDataLoader"])
-def test_trainer_resumes_a_shuffled_epoch_mid_way_bit_for_bit(tmp_path, stateful):
-    run = {**RUN, "stateful_data": stateful}
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    fit(whole, steps=STEPS, ckpt_every=4, **run)
-    ckpt = whole / "ckpts" / f"epoch=1-step={CKPT_STEP}.ckpt"
-    fit(resumed, steps=STEPS, ckpt_path=str(ckpt), **run)
-    _assert_same_run_from(load_ranks(whole), load_ranks(resumed), CKPT_STEP)
+LOADERS = {"DataLoader": False, "StatefulDataLoader": True}
 
 
-@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader", "StatefulDataLoader"])
-def test_fabric_loop_resumes_a_shuffled_epoch_mid_way_bit_for_bit(tmp_path, stateful):
-    run = {"devices": 2, "steps": STEPS, "shuffle": True, "stateful_data": stateful, "strategy": {"rounding": "kahan"}}
-    ckpt = tmp_path / "mid.ckpt"
-    for name in ("whole", "resumed"):
-        (tmp_path / name).mkdir()
-    fabric_run(tmp_path / "whole", save_at=CKPT_STEP, save_path=str(ckpt), **run)
-    fabric_run(tmp_path / "resumed", resume=str(ckpt), **run)
-    whole, resumed = load_ranks(tmp_path / "whole"), load_ranks(tmp_path / "resumed")
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """One launch: for each loader an uninterrupted fit with checkpoints and a fit resumed from its mid-epoch one;
+    then two short fits after the same seed."""
+    out = tmp_path_factory.mktemp("trainer")
+    runs = []
+    for loader, stateful in LOADERS.items():
+        ckpt = out / f"whole_{loader}" / "ckpts" / f"epoch=1-step={CKPT_STEP}.ckpt"
+        runs.append({"name": f"whole_{loader}", "ckpt_every": 4, "stateful_data": stateful})
+        runs.append({"name": f"resumed_{loader}", "ckpt_path": str(ckpt), "stateful_data": stateful})
+    runs += [{"name": name, "steps": 4, "nan_rank": None} for name in ("first", "second")]
+    return fit_runs(out, runs, steps=STEPS, **RUN)
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric")
+    runs = []
+    for loader, stateful in LOADERS.items():
+        ckpt = str(out / f"mid_{loader}.ckpt")
+        runs.append({"name": f"whole_{loader}", "save_at": CKPT_STEP, "save_path": ckpt, "stateful_data": stateful})
+        runs.append({"name": f"resumed_{loader}", "resume": ckpt, "stateful_data": stateful})
+    runs += [{"name": name, "steps": 4} for name in ("first", "second")]
+    shared = {"devices": 2, "steps": STEPS, "shuffle": True, "strategy": {"rounding": "kahan"}}
+    return fit_runs(out, runs, script="fabric_mlp.py", **shared)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_trainer_resumes_a_shuffled_epoch_mid_way_bit_for_bit(trainer_runs, loader):
+    whole, resumed = (load_ranks(trainer_runs / f"{name}_{loader}") for name in ("whole", "resumed"))
+    _assert_same_run_from(whole, resumed, CKPT_STEP)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_fabric_loop_resumes_a_shuffled_epoch_mid_way_bit_for_bit(fabric_runs, loader):
+    whole, resumed = (load_ranks(fabric_runs / f"{name}_{loader}") for name in ("whole", "resumed"))
     assert whole[0]["first_inputs"] != whole[1]["first_inputs"]  # each rank its own share
     _assert_same_run_from(whole, resumed, CKPT_STEP)
 
 
-# ------------------------------------------------------------------------------------------------- in one process
 def _torchdata_loader(**kwargs) -> DataLoader:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -153,12 +171,14 @@ def test_resume_fabric_dataloader_refuses_a_negative_position_and_a_loader_fabri
 
 # ------------------------------------------------------------------------------------------------- reseeded runs
 @pytest.mark.parametrize("front_end", ["trainer", "fabric"])
-def test_two_fits_in_one_process_after_the_same_seed_are_bit_identical(tmp_path, front_end):
-    run_script("fit_twice.py", tmp_path, front_end)
-    first, second = (torch.load(tmp_path / n / "rank0.pt", weights_only=False) for n in ("first", "second"))
-    assert first["seed"] == second["seed"]
-    assert first["losses"] == second["losses"]
-    for x, y in zip(first["flat_params"], second["flat_params"]):
-        assert torch.equal(x, y)
-    for sa, sb in zip(first["state"].values(), second["state"].values()):
-        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+def test_two_fits_in_one_process_after_the_same_seed_are_bit_identical(trainer_runs, fabric_runs, front_end):
+    # As a notebook, a sweep or a k-fold loop runs them: the fixtures' runs share one process on each rank.
+    out = trainer_runs if front_end == "trainer" else fabric_runs
+    for first, second in zip(*(load_ranks(out / name) for name in ("first", "second"))):
+        assert first["seed"] == second["seed"]
+        assert first["losses"] == second["losses"]
+        for x, y, real in zip(first["flat_params"], second["flat_params"], first["real_masks"]):
+            assert torch.equal(x[real], y[real])
+        for sa, sb, real in zip(first["state"].values(), second["state"].values(), first["real_masks"]):
+            assert torch.equal(sa["exp_avg"][real], sb["exp_avg"][real])
+            assert torch.equal(sa["exp_avg_sq"][real], sb["exp_avg_sq"][real])
