@@ -22,28 +22,74 @@ from lightning_pure_bf16.checkpoint import (
     UntrustedCheckpointError,
     consolidate_optimizer_state,
     export_universal_checkpoint,
+    save_state_dict,
     staging_path,
     validate_checkpoint,
 )
-from tests.strategy_runs import fit, load_ranks, run_script
+from tests.strategy_runs import fit, fit_runs, load_ranks, output, run_script
 
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch; the checkpoint at step 8 is an epoch boundary (mid-epoch resume,
 # shuffled too: tests/test_data.py).
 RUN = {"devices": 2, "strategy": {"rounding": "kahan"}, "scheduler": True, "nan_rank": 0, "nan_step": 2}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    fit(out, steps=11, ckpt_every=8, save_at_end=str(out / "final"), gather_full=True, **RUN)
-    return out, load_ranks(out)
+INT8_RUN = {**RUN, "strategy": {"rounding": "kahan", "moments": "int8", "compensation": "int8"}}
+
+
+def _mmap_run(state_dir) -> dict:
+    return {**RUN, "strategy": {**RUN["strategy"], "state_storage": "mmap", "state_dir": str(state_dir)}}
+
+
+def _step_8(run: Path) -> str:
+    return str(run / "ckpts" / "epoch=0-step=8.ckpt")
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, uninterrupted):
-    out = tmp_path_factory.mktemp("resumed")
-    fit(out, steps=11, ckpt_path=str(uninterrupted[0] / "ckpts" / "epoch=0-step=8.ckpt"), **RUN)
-    return load_ranks(out)
+def fits(tmp_path_factory):
+    """The module's 2-rank fits that end well, in one launch: uninterrupted runs with checkpoints (bf16 states, 8-bit
+    states, states in files), each resumed from its step-8 checkpoint; states in files resumed from a checkpoint in
+    memory."""
+    out = tmp_path_factory.mktemp("fits")
+    for name in ("mmap_states", "mmap_from_mmap_states", "mmap_from_memory_states"):
+        (out / name).mkdir()
+    runs = [
+        {
+            "name": "uninterrupted",
+            "ckpt_every": 8,
+            "save_at_end": str(out / "uninterrupted" / "final"),
+            "gather_full": True,
+        },
+        {"name": "resumed", "ckpt_path": _step_8(out / "uninterrupted")},
+        {"name": "int8_uninterrupted", "ckpt_every": 8, **INT8_RUN},
+        {"name": "int8_resumed", "ckpt_path": _step_8(out / "int8_uninterrupted"), **INT8_RUN},
+        {
+            "name": "mmap_uninterrupted",
+            "ckpt_every": 8,
+            "save_at_end": str(out / "mmap_uninterrupted" / "final"),
+            **_mmap_run(out / "mmap_states"),
+        },
+        {
+            "name": "mmap_from_mmap",
+            "ckpt_path": _step_8(out / "mmap_uninterrupted"),
+            **_mmap_run(out / "mmap_from_mmap_states"),
+        },
+        {
+            "name": "mmap_from_memory",
+            "ckpt_path": _step_8(out / "uninterrupted"),
+            **_mmap_run(out / "mmap_from_memory_states"),
+        },
+    ]
+    return fit_runs(out, runs, steps=11, **RUN)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fits):
+    return fits / "uninterrupted", load_ranks(fits / "uninterrupted")
+
+
+@pytest.fixture(scope="module")
+def resumed(fits):
+    return load_ranks(fits / "resumed")
 
 
 def test_resume_equals_uninterrupted_run_bit_for_bit(uninterrupted, resumed):
@@ -61,16 +107,10 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(uninterrupted, resumed):
         assert b["losses"] == a["losses"][8:]
 
 
-INT8_RUN = {**RUN, "strategy": {"rounding": "kahan", "moments": "int8", "compensation": "int8"}}
-
-
 @pytest.fixture(scope="module")
-def int8_runs(tmp_path_factory):
-    whole = tmp_path_factory.mktemp("int8_uninterrupted")
-    fit(whole, steps=11, ckpt_every=8, **INT8_RUN)
-    resumed = tmp_path_factory.mktemp("int8_resumed")
-    fit(resumed, steps=11, ckpt_path=str(whole / "ckpts" / "epoch=0-step=8.ckpt"), **INT8_RUN)
-    return load_ranks(whole), load_ranks(resumed), whole
+def int8_runs(fits):
+    whole = fits / "int8_uninterrupted"
+    return load_ranks(whole), load_ranks(fits / "int8_resumed"), whole
 
 
 def test_int8_states_are_7_bytes_per_param_and_resume_bit_for_bit(int8_runs):
@@ -105,17 +145,9 @@ def _assert_same_final_state(expected: list[dict], got: list[dict]) -> None:
         assert b["seed"] == a["seed"] and b["skipped_steps"] == a["skipped_steps"] == 1
 
 
-def _mmap_run(state_dir) -> dict:
-    return {**RUN, "strategy": {**RUN["strategy"], "state_storage": "mmap", "state_dir": str(state_dir)}}
-
-
 @pytest.fixture(scope="module")
-def mmap_uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mmap_uninterrupted")
-    fit(
-        out, steps=11, ckpt_every=8, save_at_end=str(out / "final"), **_mmap_run(tmp_path_factory.mktemp("mmap_states"))
-    )
-    return out, load_ranks(out)
+def mmap_uninterrupted(fits):
+    return fits / "mmap_uninterrupted", load_ranks(fits / "mmap_uninterrupted")
 
 
 def test_saving_after_fit_with_mmap_states_keeps_the_moments(mmap_uninterrupted):
@@ -138,16 +170,11 @@ def test_mmap_states_with_a_skipped_step_and_a_schedule_equal_in_memory_states(u
 
 
 @pytest.mark.parametrize("saved_with", ["mmap", "memory"])
-def test_resume_into_mmap_states_equals_uninterrupted_run(uninterrupted, mmap_uninterrupted, saved_with, tmp_path):
-    source = mmap_uninterrupted if saved_with == "mmap" else uninterrupted
-    (tmp_path / "states").mkdir()
-    fit(
-        tmp_path, steps=11, ckpt_path=str(source[0] / "ckpts" / "epoch=0-step=8.ckpt"), **_mmap_run(tmp_path / "states")
-    )
-    resumed = load_ranks(tmp_path)
+def test_resume_into_mmap_states_equals_uninterrupted_run(fits, uninterrupted, saved_with):
+    resumed = load_ranks(fits / f"mmap_from_{saved_with}")
     _assert_same_final_state(uninterrupted[1], resumed)
     assert resumed[0]["losses"] == uninterrupted[1][0]["losses"][8:]
-    assert list((tmp_path / "states").iterdir()) == []
+    assert list((fits / f"mmap_from_{saved_with}_states").iterdir()) == []
 
 
 def test_consolidated_weights_equal_live_weights_and_load_strict(uninterrupted):
@@ -163,19 +190,38 @@ def test_consolidated_weights_equal_live_weights_and_load_strict(uninterrupted):
     MLP({}).to(torch.bfloat16).load_state_dict(state, strict=True)
 
 
+def _consolidate(capsys, *args: str) -> tuple[int, str, str]:
+    """The command's ``main`` in this process (the command line itself is run once, in test_consolidate_command)."""
+    from lightning_pure_bf16.consolidate import main as consolidate_main
+
+    capsys.readouterr()
+    code = consolidate_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_consolidate_command(uninterrupted, tmp_path, suffix):
+def test_consolidate_command(uninterrupted, tmp_path, suffix, capsys):
     target = tmp_path / f"weights{suffix}"
-    cmd = [sys.executable, "-m", "lightning_pure_bf16.consolidate", str(uninterrupted[0] / "final"), str(target)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert f"wrote {target}" in proc.stdout and "bfloat16" in proc.stdout
+    args = [str(uninterrupted[0] / "final"), str(target)]
+    if suffix == ".safetensors":  # the command line, as a user types it
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightning_pure_bf16.consolidate", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        code, out, err = _consolidate(capsys, *args)
+    assert code == 0, err
+    assert f"wrote {target}" in out and "bfloat16" in out
     loaded = load_file(target) if suffix == ".safetensors" else torch.load(target, weights_only=True)
     expected = uninterrupted[1][0]["full_state"]
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
 
 
-def test_export_writes_hugging_face_shards_streamed_bit_for_bit(uninterrupted, tmp_path):
+def test_export_writes_hugging_face_shards_streamed_bit_for_bit(uninterrupted, tmp_path, capsys):
     from safetensors import safe_open
 
     expected = uninterrupted[1][0]["full_state"]
@@ -183,11 +229,11 @@ def test_export_writes_hugging_face_shards_streamed_bit_for_bit(uninterrupted, t
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "mlp"}')
     target = tmp_path / "hf"
-    cmd = [sys.executable, "-m", "lightning_pure_bf16.consolidate", str(uninterrupted[0] / "final"), str(target)]
-    cmd += ["--max-shard-size", str(largest), "--config", str(config), "--key-map", "net.=layers."]
-    cmd += ["--optimizer-state", str(tmp_path / "optimizer")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    args = [str(uninterrupted[0] / "final"), str(target)]
+    args += ["--max-shard-size", str(largest), "--config", str(config), "--key-map", "net.=layers."]
+    args += ["--optimizer-state", str(tmp_path / "optimizer")]
+    code, _, err = _consolidate(capsys, *args)
+    assert code == 0, err
     index = json.loads((target / "model.safetensors.index.json").read_text())
     files = sorted({*index["weight_map"].values()})
     assert len(files) > 1 and files == sorted(p.name for p in target.glob("model-*-of-*.safetensors"))
@@ -214,9 +260,7 @@ def test_export_writes_hugging_face_shards_streamed_bit_for_bit(uninterrupted, t
             assert torch.equal(opt[mapped].reshape(value.shape), value), mapped
 
 
-def test_export_refuses_bad_arguments_before_writing(uninterrupted, tmp_path):
-    from lightning_pure_bf16.consolidate import main as consolidate_main
-
+def test_export_refuses_bad_arguments_before_writing(uninterrupted, tmp_path, capsys):
     source = str(uninterrupted[0] / "final")
     kept = tmp_path / "kept"
     kept.mkdir()
@@ -230,43 +274,30 @@ def test_export_refuses_bad_arguments_before_writing(uninterrupted, tmp_path):
         "goes with a directory output": [str(tmp_path / "w.safetensors"), "--config", str(tmp_path / "bad.json")],
     }
     for message, args in cases.items():
-        proc = subprocess.run(
-            [sys.executable, "-m", "lightning_pure_bf16.consolidate", source, *args], capture_output=True, text=True
-        )
-        assert proc.returncode == 1 and message in proc.stderr, (args, proc.stderr)
-    assert consolidate_main([source, str(tmp_path / "d"), "--key-map", "net.="]) == 0  # prefixes dropped
+        code, _, err = _consolidate(capsys, source, *args)
+        assert code == 1 and message in err, (args, err)
+    assert _consolidate(capsys, source, str(tmp_path / "d"), "--key-map", "net.=")[0] == 0  # prefixes dropped
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "d", "kept"]
     assert (kept / "mine.txt").read_text() == "saved" and len(list(kept.iterdir())) == 1
 
 
-def test_consolidate_command_refuses_unknown_extension(uninterrupted, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_pure_bf16.consolidate",
-        str(uninterrupted[0] / "final"),
-        str(tmp_path / "w.txt"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "use .safetensors or .pt" in proc.stderr
+def test_consolidate_command_refuses_unknown_extension(uninterrupted, tmp_path, capsys):
+    code, _, err = _consolidate(capsys, str(uninterrupted[0] / "final"), str(tmp_path / "w.txt"))
+    assert code == 1 and "use .safetensors or .pt" in err
     assert not list(tmp_path.iterdir())
 
 
-def test_world_size_change_through_consolidation(uninterrupted, tmp_path):
-    weights = tmp_path / "weights.safetensors"
-    from lightning_pure_bf16.checkpoint import save_state_dict
-
-    save_state_dict(consolidate_checkpoint(uninterrupted[0] / "final"), weights)
-    fit(tmp_path, devices=1, steps=2, init_weights=str(weights))
-    loaded = torch.load(tmp_path / "init_weights_loaded.pt", weights_only=True)
+def test_world_size_change_through_consolidation(uninterrupted, damaged):
+    one_rank = damaged / "one_rank" / "from_weights"
+    loaded = torch.load(one_rank / "init_weights_loaded.pt", weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in uninterrupted[1][0]["full_state"].items())
-    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["global_step"] == 2
+    assert load_ranks(one_rank, 1)[0]["global_step"] == 2
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
     target = tmp_path / "last.ckpt"
     shutil.copytree(uninterrupted[0] / "final", target)
-    proc = fit(tmp_path, check=False, devices=2, steps=2, seed=7, save_at_end=str(target), kill_during_save=True)
+    proc = fit(tmp_path, check=False, devices=1, steps=2, seed=7, save_at_end=str(target), kill_during_save=True)
     assert proc.returncode != 0
     staged = staging_path(target)
     assert staged.is_dir() and not (staged / MANIFEST).exists()  # the save really was cut off midway
@@ -277,21 +308,16 @@ def test_interrupted_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path)
         validate_checkpoint(staged)
 
 
-def test_a_rank_killed_mid_training_ends_every_rank_and_the_last_checkpoint_resumes(uninterrupted, tmp_path):
+def test_a_rank_killed_mid_training_ends_every_rank_and_the_last_checkpoint_resumes(uninterrupted, damaged):
     # Rank 1 gets SIGKILL after step 10's backward (the checkpoint of step 8 written, no save running): rank 0 is
     # left in the step's collectives and must end too, not wait for the peer forever.
-    killed = tmp_path / "killed"
-    proc = fit(killed, check=False, steps=11, ckpt_every=8, kill_rank_at_step=[1, 10], **RUN)
+    killed = damaged / "killed"
+    returncode, stderr = json.loads((damaged / "killed.json").read_text())
     # gloo names the lost peer in one of two ways, by when the socket closed.
-    assert proc.returncode != 0 and any(
-        m in proc.stderr for m in ("Connection reset by peer", "remote worker crashing")
-    )
+    assert returncode != 0 and any(m in stderr for m in ("Connection reset by peer", "remote worker crashing"))
     assert not list(killed.glob("rank*.pt"))  # neither rank finished
-    last = killed / "ckpts" / "epoch=0-step=8.ckpt"
-    validate_checkpoint(last)
-    resumed = tmp_path / "resumed"
-    fit(resumed, steps=11, ckpt_path=str(last), **RUN)
-    for a, b in zip(uninterrupted[1], load_ranks(resumed)):
+    validate_checkpoint(_step_8(killed))
+    for a, b in zip(uninterrupted[1], load_ranks(damaged / "two_ranks" / "killed_resumed")):
         assert b["global_step"] == 11 and b["losses"] == a["losses"][8:]
         for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
             assert torch.equal(x[real], y[real])
@@ -351,10 +377,12 @@ def _flip_a_byte_of_a_tensor(path: Path) -> str:
     return info.filename
 
 
-def test_a_changed_byte_in_a_state_file_is_reported_by_every_reader_naming_the_file(uninterrupted, tmp_path):
-    target = _copy(uninterrupted, tmp_path)
-    victim = sorted((target / "checkpoint").glob("*optim_states.pt"))[-1]
-    record = _flip_a_byte_of_a_tensor(victim)  # the size stays: the manifest sees nothing wrong
+def test_a_changed_byte_in_a_state_file_is_reported_by_every_reader_naming_the_file(damaged):
+    target = damaged / "changed_byte.ckpt"
+    victim, record = json.loads(
+        (damaged / "changed_byte.json").read_text()
+    )  # the size stays: the manifest sees nothing wrong
+    victim = Path(victim)
     corrupted = rf"'{victim}' is corrupted: {record} does not match the checksum"
     for read in (validate_checkpoint, consolidate_checkpoint, consolidate_optimizer_state):
         with pytest.raises(CheckpointError, match=corrupted):
@@ -362,15 +390,55 @@ def test_a_changed_byte_in_a_state_file_is_reported_by_every_reader_naming_the_f
     # A 2-rank resume shares out the checking (rank 1 reads rank 1's optimizer state): rank 1 names the file, rank 0
     # hears of it, and both stop before loading.
     assert victim.name.startswith("bf16_zero_pp_rank_1_")
-    proc = fit(tmp_path / "fit", check=False, steps=12, ckpt_path=str(target), **RUN)
-    assert proc.returncode != 0 and f"'{victim}' is corrupted" in proc.stderr
-    assert "Another rank found a corrupted file" in proc.stderr
+    resume = damaged / "two_ranks" / "changed_byte"
+    assert not (resume / "rank0.pt").exists() and not (resume / "rank1.pt").exists()
+    assert f"'{victim}' is corrupted" in output(resume) and "Another rank found a corrupted file" in output(resume)
 
 
 def _copy(uninterrupted, tmp_path):
     target = tmp_path / "copy.ckpt"
     shutil.copytree(uninterrupted[0] / "final", target)
     return target
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory, uninterrupted):
+    """Copies of the uninterrupted run's final checkpoint, damaged three ways (one byte of a state changed, a state
+    file cut short, code planted in a pickle: two copies, each touching its own marker), and the fits that meet them:
+    a 2-rank launch (the two resumes that must fail on both ranks, the trusted resume, the resume of a run whose rank
+    was killed) and a 1-rank launch (the untrusted resume, and a fit from consolidated weights); and a plain-DeepSpeed
+    resume of the planted copy."""
+    from tests.test_deepspeed_front_end import ds_run
+
+    out = tmp_path_factory.mktemp("damaged")
+    final = uninterrupted[0] / "final"
+    for name in ("changed_byte", "truncated", "runs_code", "trusted_runs_code"):
+        shutil.copytree(final, out / f"{name}.ckpt")
+    victim = sorted((out / "changed_byte.ckpt" / "checkpoint").glob("*optim_states.pt"))[-1]
+    (out / "changed_byte.json").write_text(json.dumps([str(victim), _flip_a_byte_of_a_tensor(victim)]))
+    victim = sorted((out / "truncated.ckpt" / "checkpoint").glob("*optim_states.pt"))[0]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    _plant_code(out / "runs_code.ckpt", out / "code_ran")
+    _plant_code(out / "trusted_runs_code.ckpt", out / "trusted_code_ran")
+    save_state_dict(consolidate_checkpoint(final), out / "weights.safetensors")
+    # Rank 1 killed after step 10's backward, the step-8 checkpoint written.
+    killed = fit(out / "killed", check=False, steps=11, ckpt_every=8, kill_rank_at_step=[1, 10], **RUN)
+    (out / "killed.json").write_text(json.dumps([killed.returncode, killed.stderr]))
+    trusted = {**RUN, "strategy": {**RUN["strategy"], "trust_checkpoint": True}}
+    runs = [
+        {"name": "changed_byte", "ckpt_path": str(out / "changed_byte.ckpt"), "expect_error": True},
+        {"name": "truncated", "ckpt_path": str(out / "truncated.ckpt"), "expect_error": True},
+        {"name": "trusted", "ckpt_path": str(out / "trusted_runs_code.ckpt"), **trusted},
+        {"name": "killed_resumed", "steps": 11, "ckpt_path": _step_8(out / "killed")},
+    ]
+    fit_runs(out / "two_ranks", runs, steps=12, **RUN)
+    runs = [
+        {"name": "runs_code", "steps": 12, "ckpt_path": str(out / "runs_code.ckpt"), "expect_error": True},
+        {"name": "from_weights", "steps": 2, "init_weights": str(out / "weights.safetensors")},
+    ]
+    fit_runs(out / "one_rank", runs, devices=1)
+    ds_run(out / "ds", world=1, steps=4, resume=str(out / "runs_code.ckpt"), record_load_error=True)
+    return out
 
 
 def test_missing_checkpoint(tmp_path):
@@ -402,13 +470,10 @@ def test_missing_file_is_named(uninterrupted, tmp_path):
         validate_checkpoint(target)
 
 
-def test_resuming_a_truncated_checkpoint_fails_before_training(uninterrupted, tmp_path):
-    target = _copy(uninterrupted, tmp_path)
-    victim = sorted((target / "checkpoint").glob("*optim_states.pt"))[0]
-    victim.write_bytes(victim.read_bytes()[:-10])
-    proc = fit(tmp_path, check=False, devices=2, steps=12, ckpt_path=str(target))
-    assert proc.returncode != 0 and "is truncated or was overwritten" in proc.stderr
-    assert not (tmp_path / "rank0.pt").exists()
+def test_resuming_a_truncated_checkpoint_fails_before_training(damaged):
+    resume = damaged / "two_ranks" / "truncated"
+    assert "is truncated or was overwritten" in output(resume)
+    assert not (resume / "rank0.pt").exists()
 
 
 class _RunsCode:
@@ -421,17 +486,22 @@ class _RunsCode:
         return (os.system, (self.command,))
 
 
-def test_a_checkpoint_that_runs_code_is_refused_by_every_reader_and_loads_only_when_trusted(uninterrupted, tmp_path):
-    from lightning_pure_bf16.consolidate import main as consolidate_main
-    from tests.test_deepspeed_front_end import ds_run
-
-    target, marker = _copy(uninterrupted, tmp_path), tmp_path / "code_ran"
+def _plant_code(target: Path, marker: Path) -> Path:
+    """A pickled call of ``touch MARKER`` in the first model-state file, the manifest's sizes made consistent."""
     victim = sorted((target / "checkpoint").glob("*model_states.pt"))[0]
     state = torch.load(victim, weights_only=True)
     torch.save({**state, "payload": _RunsCode(f"touch {marker}")}, victim)
     manifest = json.loads((target / MANIFEST).read_text())  # consistent sizes: the manifest sees nothing wrong
     manifest["files"] = {name: (target / name).stat().st_size for name in manifest["files"]}
     (target / MANIFEST).write_text(json.dumps(manifest))
+    return victim
+
+
+def test_a_checkpoint_that_runs_code_is_refused_by_every_reader_and_loads_only_when_trusted(damaged, tmp_path):
+    from lightning_pure_bf16.consolidate import main as consolidate_main
+
+    target, marker = damaged / "runs_code.ckpt", damaged / "code_ran"
+    victim = sorted((target / "checkpoint").glob("*model_states.pt"))[0]
     refused = rf"'{victim}' needs the types posix.system to be read.*Nothing was loaded.*trust"
     export = lambda t: export_universal_checkpoint(t, tmp_path / "universal")  # noqa: E731
     for read in (consolidate_checkpoint, consolidate_optimizer_state, export):
@@ -439,19 +509,17 @@ def test_a_checkpoint_that_runs_code_is_refused_by_every_reader_and_loads_only_w
             read(target)
     assert consolidate_main([str(target), str(tmp_path / "w.safetensors")]) == 1
     # Resume through the Trainer (1 rank: the re-partitioning reader) and the plain-DeepSpeed front end.
-    proc = fit(tmp_path / "fit", check=False, devices=1, steps=12, ckpt_path=str(target))
-    assert proc.returncode != 0 and "UntrustedCheckpointError" in proc.stderr
-    ds_run(tmp_path / "ds", world=1, steps=4, resume=str(target), record_load_error=True)
-    assert "UntrustedCheckpointError" in torch.load(tmp_path / "ds" / "rank0.pt", weights_only=True)["load_error"]
+    refused_fit = damaged / "one_rank" / "runs_code"
+    assert "UntrustedCheckpointError" in output(refused_fit) and not (refused_fit / "rank0.pt").exists()
+    assert "UntrustedCheckpointError" in torch.load(damaged / "ds" / "rank0.pt", weights_only=True)["load_error"]
     assert not marker.exists()
-    # The opt-in reads it with the full unpickler, which runs the payload: the command line, then a 2-rank Trainer
-    # resume with the strategy's `trust_checkpoint=True` (DeepSpeed's own loader), which trains on.
+    # The opt-in reads it with the full unpickler, which runs the payload: the command line, then (a copy that runs
+    # another command) a 2-rank Trainer resume with the strategy's `trust_checkpoint=True` (DeepSpeed's own loader),
+    # which trains on.
     assert consolidate_main([str(target), str(tmp_path / "w.safetensors"), "--trust-checkpoint"]) == 0
     assert marker.exists()
-    marker.unlink()
-    trusted = {**RUN, "strategy": {**RUN["strategy"], "trust_checkpoint": True}}
-    fit(tmp_path / "trusted", steps=12, ckpt_path=str(target), **trusted)
-    assert marker.exists() and load_ranks(tmp_path / "trusted")[0]["global_step"] == 12
+    assert (damaged / "trusted_code_ran").exists()
+    assert load_ranks(damaged / "two_ranks" / "trusted")[0]["global_step"] == 12
 
 
 @pytest.fixture(scope="module")
