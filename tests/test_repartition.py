@@ -8,6 +8,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,42 +21,99 @@ from lightning_pure_bf16.checkpoint import (
     validate_checkpoint,
 )
 from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint
-from tests.strategy_runs import fit, fit_nodes, load_ranks, run_script
+from tests.strategy_runs import fit_nodes, fit_runs, load_ranks, output, run_script
 
 # Kahan, a scheduler, and an inf/NaN step (2) on one rank: every counter and buffer a checkpoint holds is non-trivial.
 RUN = {"strategy": {"rounding": "kahan"}, "scheduler": True, "nan_rank": 0, "nan_step": 2}
 
 
+INT8 = {"rounding": "kahan", "moments": "int8", "compensation": "int8"}
+
+
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def launches(tmp_path_factory):
+    """Every fit of this module, grouped by world size into launches in three phases (each reads what the one before
+    wrote):
+    - the sources: 2 ranks, 11 steps with a checkpoint at step 8 (Kahan), and 6 steps of 8-bit states; 2 nodes of 2
+      ranks, 4 steps (two launches with NODE_RANK 0 and 1 over gloo on 127.0.0.1, as a cluster runs them); a DeepSpeed
+      bf16 mixed checkpoint of DeepSpeed's own engine.
+    - the step-8 checkpoint loaded and saved again at once (before a step) by runs that then train on to step 11: on
+      1 rank into states in files, and on 3 ranks with 64-element sub-groups (11 sub-groups instead of 2); on 1 rank,
+      the 8-bit checkpoint into 8-bit states in files, the 4-rank one resaved, the DeepSpeed one trained on.
+    - on 2 ranks: the 1-rank resave resaved, the 4-rank one resaved, the DeepSpeed one resaved, and a checkpoint
+      loaded into another model (refused)."""
+    out = tmp_path_factory.mktemp("launches")
+    (out / "to1_states").mkdir(parents=True)
+    (out / "int8_to1_states").mkdir(parents=True)
+    step_8 = out / "two" / "source" / "ckpts" / "epoch=0-step=8.ckpt"
+    run_script("ds_mixed_checkpoint.py", out / "deepspeed")
+    mixed = out / "deepspeed" / "mixed"
+    fit_nodes(out / "nodes", 2, devices=2, steps=4, save_at_end=str(out / "nodes" / "final"), **RUN)
+    runs = [
+        {"name": "source", "steps": 11, "ckpt_every": 8},
+        {
+            "name": "int8_source",
+            "steps": 6,
+            "save_at_end": str(out / "two" / "int8_source" / "final"),
+            "strategy": INT8,
+            "scheduler": False,
+            "nan_rank": None,
+        },
+    ]
+    fit_runs(out / "two", runs, devices=2, **RUN)
+    files = {"state_storage": "mmap", "state_dir": str(out / "to1_states")}
+    int8_files = {**INT8, "state_storage": "mmap", "state_dir": str(out / "int8_to1_states")}
+    runs = [
+        {
+            "name": "to1",
+            "steps": 11,
+            "ckpt_path": str(step_8),
+            "save_at_start": str(out / "one" / "to1" / "resaved"),
+            "strategy": {**RUN["strategy"], **files},
+        },
+        _resave(out / "one", "int8_to1", out / "two" / "int8_source" / "final", steps=6, strategy=int8_files),
+        _resave(out / "one", "nodes_to1", out / "nodes" / "final", steps=4),
+        {"name": "from_mixed_more", "steps": 3, "ckpt_path": str(mixed), "nan_rank": None},
+    ]
+    fit_runs(out / "one", runs, devices=1, **RUN)
+    to3 = {
+        "name": "to3",
+        "steps": 11,
+        "ckpt_path": str(step_8),
+        "save_at_start": str(out / "three" / "to3" / "resaved"),
+        "strategy": {**RUN["strategy"], "sub_group_size": 64},
+    }
+    fit_runs(out / "three", [to3], devices=3, **RUN)
+    runs = [
+        _resave(out / "two", "to2", out / "one" / "to1" / "resaved"),
+        _resave(out / "two", "nodes_to2", out / "nodes" / "final", steps=4),
+        _resave(out / "two", "from_mixed", mixed, steps=0, nan_rank=None),
+        {"name": "another_model", "steps": 9, "ckpt_path": str(step_8), "hidden": 32, "expect_error": True},
+    ]
+    fit_runs(out / "two", runs, devices=2, **RUN)
+    return out
+
+
+def _resave(where: Path, name: str, ckpt: Path, steps: int = 8, **extra) -> dict:
+    """A run that loads ``ckpt`` and saves it again at once (no step between), to WHERE/NAME/resaved."""
+    return {"name": name, "steps": steps, "ckpt_path": str(ckpt), "save_at_end": str(where / name / "resaved"), **extra}
+
+
+@pytest.fixture(scope="module")
+def source(launches):
     """2 ranks, 11 steps, a checkpoint at step 8."""
-    out = tmp_path_factory.mktemp("source")
-    fit(out, devices=2, steps=11, ckpt_every=8, **RUN)
-    return out / "ckpts" / "epoch=0-step=8.ckpt", load_ranks(out)
-
-
-def _resave(tmp_path_factory, name, ckpt, devices, steps=8, **extra):
-    """Load ``ckpt`` at ``devices`` ranks and save it again at once (no step between)."""
-    out = tmp_path_factory.mktemp(name)
-    opts = {**RUN, **extra}
-    fit(out, devices=devices, steps=steps, ckpt_path=str(ckpt), save_at_end=str(out / "resaved"), **opts)
-    return out / "resaved", out
+    return launches / "two" / "source" / "ckpts" / "epoch=0-step=8.ckpt", load_ranks(launches / "two" / "source")
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, source):
-    """The step-8 checkpoint loaded and saved again at once (before a step) by runs that then train on to step 11:
-    2 -> 1 rank with the states in files, and 2 -> 3 ranks with 64-element sub-groups (11 sub-groups instead of 2);
-    then 1 -> 2 ranks, saved again without training."""
+def chain(launches):
+    """The step-8 checkpoint resaved 2 -> 1 (states in files), 2 -> 3 (64-element sub-groups), then 1 -> 2."""
     runs = {}
-    files = {"state_storage": "mmap", "state_dir": str(tmp_path_factory.mktemp("mmap_states"))}
-    for hop, devices, strategy in (("1", 1, files), ("3", 3, {"sub_group_size": 64})):
-        out = tmp_path_factory.mktemp(f"to{hop}")
-        opts = {**RUN, "strategy": {**RUN["strategy"], **strategy}}
-        proc = fit(out, devices=devices, steps=11, ckpt_path=str(source[0]), save_at_start=str(out / "resaved"), **opts)
+    for hop, world in (("1", "one"), ("3", "three")):
+        out = launches / world / f"to{hop}"
         runs[hop], runs[f"log{hop}"] = out / "resaved", out
-        runs[f"continued{hop}"] = (load_ranks(out, devices)[0], proc.stdout + proc.stderr)
-    runs["2"], _ = _resave(tmp_path_factory, "to2", runs["1"], devices=2)
+        runs[f"continued{hop}"] = (load_ranks(out, int(hop))[0], output(out))
+    runs["2"] = launches / "two" / "to2" / "resaved"
     return runs
 
 
@@ -87,16 +145,15 @@ def test_sub_group_size_changed_too(chain):
     assert len(ZeroCheckpoint(chain["2"] / "checkpoint").sub_groups) == 2
 
 
-def test_two_nodes_of_two_ranks_save_and_resume_on_one_node_and_one_rank_bit_for_bit(tmp_path_factory):
+def test_two_nodes_of_two_ranks_save_and_resume_on_one_node_and_one_rank_bit_for_bit(launches):
     """num_nodes=2, devices=2: two launches with NODE_RANK 0 and 1 over gloo on 127.0.0.1, as a cluster runs them."""
-    out = tmp_path_factory.mktemp("nodes")
-    fit_nodes(out, 2, devices=2, steps=4, save_at_end=str(out / "final"), **RUN)
+    out = launches / "nodes"
     ranks = load_ranks(out, 4)
     assert [r["world_size"] for r in ranks] == [4] * 4 and ranks[0]["global_step"] == 4
     assert all(r["memory_report"]["total"] == pytest.approx(10.0) for r in ranks)  # Kahan: 10 bytes/param
     assert json.loads((out / "final" / MANIFEST).read_text())["world_size"] == 4
-    for devices in (2, 1):
-        resaved, _ = _resave(tmp_path_factory, f"nodes_to{devices}", out / "final", devices=devices, steps=4)
+    for devices, world in ((2, "two"), (1, "one")):
+        resaved = launches / world / f"nodes_to{devices}" / "resaved"
         _assert_same_state(out / "final", resaved)
         assert ZeroCheckpoint(resaved / "checkpoint").world_size == devices
 
@@ -134,14 +191,9 @@ def test_repartition_into_state_files(chain):
     assert all(f for files in load_ranks(chain["log1"], 1)[0]["state_files"] for f in files.values())  # file-backed
 
 
-def test_int8_states_repartitioned_into_state_files(tmp_path_factory):
-    strategy = {"rounding": "kahan", "moments": "int8", "compensation": "int8"}
-    src = tmp_path_factory.mktemp("int8_source")
-    fit(src, devices=2, steps=6, save_at_end=str(src / "final"), strategy=strategy)
-    # Into 8-bit states in files on 1 rank.
-    files = {"state_storage": "mmap", "state_dir": str(tmp_path_factory.mktemp("int8_states"))}
-    into_files = {**strategy, **files}
-    resaved, _ = _resave(tmp_path_factory, "int8_to1", src / "final", devices=1, steps=6, strategy=into_files)
+def test_int8_states_repartitioned_into_state_files(launches):
+    # 2 ranks into 8-bit states in files on 1 rank.
+    src, resaved = launches / "two" / "int8_source", launches / "one" / "int8_to1" / "resaved"
     wa, wb = consolidate_checkpoint(src / "final"), consolidate_checkpoint(resaved)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     oa, ob = consolidate_optimizer_state(src / "final"), consolidate_optimizer_state(resaved)
@@ -159,15 +211,8 @@ def test_int8_states_repartitioned_into_state_files(tmp_path_factory):
             assert not torch.equal(a, torch.zeros_like(a))
 
 
-@pytest.fixture(scope="module")
-def deepspeed_mixed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds_mixed")
-    run_script("ds_mixed_checkpoint.py", out)
-    return out / "mixed"
-
-
-def test_a_deepspeed_bf16_mixed_checkpoint_continues_in_pure_bf16(tmp_path_factory, deepspeed_mixed):
-    resaved, out = _resave(tmp_path_factory, "from_mixed", deepspeed_mixed, devices=2, steps=0, nan_rank=None)
+def test_a_deepspeed_bf16_mixed_checkpoint_continues_in_pure_bf16(launches):
+    deepspeed_mixed, resaved = launches / "deepspeed" / "mixed", launches / "two" / "from_mixed" / "resaved"
     src, dst = ZeroCheckpoint(deepspeed_mixed / "checkpoint"), ZeroCheckpoint(resaved / "checkpoint")
     assert src.master_dtype == torch.float32 and dst.master_dtype == torch.bfloat16
     assert dst.step() == src.step() == 2
@@ -179,10 +224,9 @@ def test_a_deepspeed_bf16_mixed_checkpoint_continues_in_pure_bf16(tmp_path_facto
         assert ((weight.float() + comp.float()) - master).abs().max() <= (master - weight.float()).abs().max() / 64
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(dst.full(name, key), src.full(name, key).to(torch.bfloat16)), (name, key)
-    more = tmp_path_factory.mktemp("from_mixed_more")
-    proc = fit(more, devices=1, steps=3, ckpt_path=str(deepspeed_mixed), **{**RUN, "nan_rank": None})
+    more = launches / "one" / "from_mixed_more"
     rank0 = load_ranks(more, 1)[0]
-    assert "written by DeepSpeed without Lightning" in proc.stdout + proc.stderr
+    assert "written by DeepSpeed without Lightning" in output(more)
     assert all(torch.isfinite(torch.tensor(rank0["losses"]))) and len(rank0["losses"]) == 3
     assert all(int(st["step"]) == 5 for st in rank0["state"].values())  # 2 DeepSpeed steps + 3 here
 
@@ -205,27 +249,23 @@ def test_exported_universal_checkpoint_loads_in_deepspeeds_own_engine(source, tm
             assert torch.equal(theirs.full(name, key), ours.full(name, key).float()), (name, key)
 
 
-def test_export_command_refuses_an_existing_output(source, tmp_path):
+def test_export_command_refuses_an_existing_output(source, tmp_path, capsys):
+    from lightning_pure_bf16.export_universal import main as export_main
+
     cmd = [sys.executable, "-m", "lightning_pure_bf16.export_universal", str(source[0]), str(tmp_path)]
-    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 1 and "exists; export into a new directory" in again.stderr
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0  # the command line
+    capsys.readouterr()
+    assert export_main([str(source[0]), str(tmp_path)]) == 1
+    assert "exists; export into a new directory" in capsys.readouterr().err
 
 
 def test_consolidate_command_writes_the_optimizer_state(source, tmp_path):
     from safetensors.torch import load_file
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_pure_bf16.consolidate",
-        str(source[0]),
-        str(tmp_path / "w.safetensors"),
-        "--optimizer-state",
-        str(tmp_path / "opt.safetensors"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    from lightning_pure_bf16.consolidate import main as consolidate_main
+
+    args = [str(source[0]), str(tmp_path / "w.safetensors"), "--optimizer-state", str(tmp_path / "opt.safetensors")]
+    assert consolidate_main(args) == 0
     saved = load_file(tmp_path / "opt.safetensors")
     expected = consolidate_optimizer_state(source[0])
     assert set(saved) == {f"{name}.{key}" for name, st in expected.items() for key in st}
@@ -293,11 +333,10 @@ def test_an_unknown_manifest_format_is_refused(source, tmp_path):
         validate_checkpoint(target)
 
 
-def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(source, tmp_path):
-    proc = fit(tmp_path, check=False, devices=2, steps=9, ckpt_path=str(source[0]), hidden=32, **RUN)
-    assert proc.returncode != 0
-    assert "Parameter 'net.0.weight' has 512 elements here and 1024 in the checkpoint" in proc.stderr
-    assert "saved from another model" in proc.stderr and not (tmp_path / "rank0.pt").exists()
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(launches):
+    refused = launches / "two" / "another_model"
+    assert "Parameter 'net.0.weight' has 512 elements here and 1024 in the checkpoint" in output(refused)
+    assert "saved from another model" in output(refused) and not (refused / "rank0.pt").exists()
 
 
 def test_missing_rank_files_are_named(source, tmp_path):
