@@ -6,6 +6,7 @@ through the class factory."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -32,28 +33,62 @@ def _no_state_left_behind():
     PartialState._reset_state()
 
 
-def hf_run(out, world=2, **opts):
-    run_script("hf_gpt2.py", out, json.dumps({"world": world, **opts}))
-    return load_ranks(out, world)
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Every run of this module on 2 ranks in one launch, and every run on 1 rank in another, one after the other in
+    the same processes (transformers' and Accelerate's process-wide state reset between them, the process group
+    kept)."""
+    out = tmp_path_factory.mktemp("launches")
+    two, one = out / "two", out / "one"
+    checkpoint = two / "hf_whole" / "run" / "checkpoint-3"
+    from tests.scripts.hf_gpt2 import tiny_gpt2
+
+    tiny_gpt2().to(torch.bfloat16).save_pretrained(out / "gpt2", max_shard_size="20KB")  # in shards
+    accelerate = {"front": "accelerate", "steps": 6, "options": {"moments": "int8"}}
+    runs = [
+        {"name": "hf_whole", "steps": 6, "save_steps": 3, "export": True},
+        {"name": "hf_resumed", "steps": 6, "resume": str(checkpoint)},
+        {"name": "lora", "steps": 3, "lora": True},
+        {"name": "from_pretrained", "steps": 4, "from_pretrained": str(out / "gpt2")},
+    ]
+    if importlib.util.find_spec("trl"):
+        runs += [{"name": f"trl_{kind}", "front": "trl", "trl": kind, "steps": 6} for kind in ("sft", "dpo")]
+    run_script("hf_gpt2.py", two, json.dumps({"world": 2, "runs": runs}))
+    # After Accelerate's engine or a stock Trainer's, DeepSpeed keeps groups that the next engine does not find (its
+    # first broadcast fails, or waits): Accelerate's runs in a launch of their own, each stock Trainer's run too.
+    runs = [
+        {"name": "acc_whole", "save_at": 3, "save_path": str(two / "acc_whole" / "mid"), **accelerate},
+        {"name": "acc_resumed", "resume": str(two / "acc_whole" / "mid"), **accelerate},
+    ]
+    run_script("hf_gpt2.py", two, json.dumps({"world": 2, "runs": runs}))
+    run_script(
+        "hf_gpt2.py",
+        two,
+        json.dumps({"world": 2, "runs": [{"name": "stock_given", "front": "stock_trainer", "given": True}]}),
+    )
+    runs = [
+        {"name": "hf_one_rank", "steps": 6, "resume": str(checkpoint)},
+        {"name": "given_optimizer", "steps": 2, "given_optimizer": True},
+    ]
+    run_script("hf_gpt2.py", one, json.dumps({"world": 1, "runs": runs}))
+    for run in (
+        {"name": "stock", "front": "stock_trainer"},
+        {"name": "stock_given", "front": "stock_trainer", "given": True},
+    ):
+        run_script("hf_gpt2.py", one, json.dumps({"world": 1, "runs": [run]}))
+    return out
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    whole = tmp_path_factory.mktemp("hf_whole")
-    ranks = hf_run(whole, steps=6, save_steps=3, export=True)
-    checkpoint = whole / "run" / "checkpoint-3"
-    resumed = hf_run(tmp_path_factory.mktemp("hf_resumed"), steps=6, resume=str(checkpoint))
-    one_rank = hf_run(tmp_path_factory.mktemp("hf_one_rank"), world=1, steps=6, resume=str(checkpoint))
-    return ranks, resumed, one_rank, whole
+def trainer_runs(launches):
+    whole = launches / "two" / "hf_whole"
+    resumed, one_rank = load_ranks(launches / "two" / "hf_resumed"), load_ranks(launches / "one" / "hf_one_rank", 1)
+    return load_ranks(whole), resumed, one_rank, whole
 
 
 @pytest.fixture(scope="module")
-def accelerate_runs(tmp_path_factory):
-    whole = tmp_path_factory.mktemp("acc_whole")
-    opts = {"front": "accelerate", "steps": 6, "options": {"moments": "int8"}}
-    ranks = hf_run(whole, save_at=3, save_path=str(whole / "mid"), **opts)
-    resumed = hf_run(tmp_path_factory.mktemp("acc_resumed"), resume=str(whole / "mid"), **opts)
-    return ranks, resumed
+def accelerate_runs(launches):
+    return load_ranks(launches / "two" / "acc_whole"), load_ranks(launches / "two" / "acc_resumed")
 
 
 def _walked_bytes_per_param(rank: dict) -> float:
@@ -77,10 +112,9 @@ def test_hf_trainer_trains_at_8_bytes_per_param_with_its_groups(trainer_runs):
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_trl_trainers_train_pure_bf16_through_the_class_factory(kind, tmp_path):
+def test_trl_trainers_train_pure_bf16_through_the_class_factory(kind, launches):
     pytest.importorskip("trl")
-    hf_run(tmp_path, front="trl", trl=kind, steps=6)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = load_ranks(launches / "two" / f"trl_{kind}")
     for rank in ranks:
         assert rank["class"] == f"PureBF16{kind.upper()}Trainer"
         assert rank["optimizer_class"] == "lightning_pure_bf16.optim.adamw.AdamW"
@@ -108,12 +142,12 @@ def test_the_class_factory_takes_trainer_subclasses_only():
         pure_bf16_trainer(torch.nn.Module)
 
 
-def test_the_process_group_the_libraries_made_is_destroyed_at_exit(trainer_runs, accelerate_runs, tmp_path_factory):
+def test_the_process_group_the_libraries_made_is_destroyed_at_exit(launches):
     # Left alive, it can end a finished run in `terminate called without an active exception` (exit 134; issue 26,
-    # seen once with the HF example in a loaded CI run). Both integrations destroy it at exit, ranks together.
-    _, _, _, out = trainer_runs
-    for directory in (out, *sorted(tmp_path_factory.getbasetemp().glob("acc_whole*"))):
-        assert [(directory / f"exit_rank{r}.txt").read_text() for r in range(2)] == ["False", "False"], directory
+    # seen once with the HF example in a loaded CI run). The integrations destroy it at exit, ranks together (the
+    # 2-rank launch ran the Trainer, Accelerate, TRL and PEFT; the 1-rank one the Trainer).
+    assert [(launches / "two" / f"exit_rank{r}.txt").read_text() for r in range(2)] == ["False", "False"]
+    assert (launches / "one" / "exit_rank0.txt").read_text() == "False"
 
 
 def test_hf_trainer_resume_from_checkpoint_continues_bit_for_bit(trainer_runs):
@@ -180,18 +214,18 @@ def test_accelerate_trains_at_6_bytes_per_param_with_8_bit_moments_and_resumes_b
         assert sum(a["losses"][-2:]) / 2 < a["losses"][0]
 
 
-def test_a_stock_trainer_handing_the_optimizer_float32_masters_is_refused(tmp_path):
-    (rank,) = hf_run(tmp_path, world=1, front="stock_trainer")
+def test_a_stock_trainer_handing_the_optimizer_float32_masters_is_refused(launches):
+    (rank,) = load_ranks(launches / "one" / "stock", 1)
     assert rank["error"] is not None and "float32 master weights" in rank["error"]
     assert "PureBF16Trainer" in rank["error"]
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_stock_trainer_that_drops_the_given_optimizer_says_so_once(tmp_path, world):
+def test_a_stock_trainer_that_drops_the_given_optimizer_says_so_once(launches, world):
     # transformers.Trainer(..., optimizers=(lightning_pure_bf16.AdamW(model.parameters()), None)), written inline, with
     # DeepSpeed trains with torch AdamW on float32 masters: said once, on rank 0, though nothing refers to the
     # dropped optimizer any more.
-    ranks = hf_run(tmp_path, world=world, front="stock_trainer", given=True)
+    ranks = load_ranks(launches / {1: "one", 2: "two"}[world] / "stock_given", world)
     assert all(rank["error"] is None for rank in ranks)
     (said,) = ranks[0]["warnings"]
     assert "the host replaced it" in said and "torch.optim.adamw.AdamW` is stepping" in said
@@ -199,8 +233,8 @@ def test_a_stock_trainer_that_drops_the_given_optimizer_says_so_once(tmp_path, w
     assert all(rank["warnings"] == [] for rank in ranks[1:])
 
 
-def test_the_optimizer_given_to_the_trainer_is_used_not_replaced(tmp_path):
-    (rank,) = hf_run(tmp_path, world=1, steps=2, given_optimizer=True)
+def test_the_optimizer_given_to_the_trainer_is_used_not_replaced(launches):
+    (rank,) = load_ranks(launches / "one" / "given_optimizer", 1)
     assert rank["optimizer_class"] == "lightning_pure_bf16.optim.adamw.AdamW"
     assert rank["weight_decay"] == [0.0] and rank["lr"] == [pytest.approx(1e-3)]  # its group, its scheduler (x0.5)
     assert rank["replaced_warnings"] == []  # this package's own integration: nothing to say
@@ -256,7 +290,7 @@ def test_the_trainer_refuses_arguments_that_would_not_train_pure_bf16(tmp_path):
         PureBF16Accelerator(mixed_precision="fp16")
 
 
-def test_peft_lora_trains_its_adapters_only_with_the_base_bit_exact_under_both_front_ends(tmp_path):
+def test_peft_lora_trains_its_adapters_only_with_the_base_bit_exact_under_both_front_ends(launches, tmp_path):
     # The seed user's recipe at small scale: a PEFT LoRA model (r=4 on the attention projections) under
     # PureBF16Trainer and under Trainer(strategy="deepspeed_pure_bf16"), 2 ranks each; the adapters saved by PEFT
     # load with PeftModel.from_pretrained into a fresh base.
@@ -264,9 +298,9 @@ def test_peft_lora_trains_its_adapters_only_with_the_base_bit_exact_under_both_f
 
     from tests.scripts.hf_gpt2 import tiny_gpt2
 
-    lightning, hf = tmp_path / "lightning", tmp_path / "hf"
+    lightning, hf = tmp_path / "lightning", launches / "two" / "lora"
     run_script("lora_lightning.py", lightning, json.dumps({"steps": 3}))
-    runs = {lightning: load_ranks(lightning), hf: [r["lora"] for r in hf_run(hf, steps=3, lora=True)]}
+    runs = {lightning: load_ranks(lightning), hf: [r["lora"] for r in load_ranks(hf)]}
     for out, ranks in runs.items():
         for rank in ranks:
             assert rank["trainable"] and all(".lora_" in name for name in rank["trainable"])
@@ -278,6 +312,25 @@ def test_peft_lora_trains_its_adapters_only_with_the_base_bit_exact_under_both_f
         loaded = dict(PeftModel.from_pretrained(tiny_gpt2(), str(out / "adapter")).named_parameters())
         for name, live in ranks[0]["adapters"].items():
             assert torch.equal(loaded[name].to(live.dtype), live), f"{out.name}: {name}"
+
+
+def test_transformers_from_pretrained_under_the_trainers_zero3_gives_the_files_partitions(launches):
+    # transformers' own path: with the DeepSpeed TrainingArguments made first, from_pretrained builds the model under
+    # zero.Init and loads each tensor into its partitions; the Trainer then trains those partitions at 8 B/param.
+    from transformers import GPT2LMHeadModel
+
+    assert len(list((launches / "gpt2").glob("model-*.safetensors"))) > 1
+    model = GPT2LMHeadModel.from_pretrained(launches / "gpt2", dtype=torch.bfloat16)
+    files = {k: v for k, v in model.state_dict().items()}
+    ranks = load_ranks(launches / "two" / "from_pretrained")
+    for rank, result in enumerate(ranks):
+        loaded = result["loaded_partitions"]
+        assert set(loaded) == {n for n, _ in model.named_parameters()}  # lm_head tied to wte: one tensor
+        for name, (part, n) in loaded.items():
+            flat = files[name].reshape(-1)[rank * n : (rank + 1) * n]
+            assert part is not None and part.dtype == torch.bfloat16 and torch.equal(part[: flat.numel()], flat), name
+        assert result["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
+        assert result["global_steps"] == 4 and result["losses"][-1] < result["losses"][0]
 
 
 def test_accelerate_launch_with_a_deepspeed_config_file(tmp_path):

@@ -83,27 +83,6 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tm
         assert torch.equal(value, weights[name[len("net.") :]].to(torch.bfloat16)), name
 
 
-def test_transformers_from_pretrained_under_the_trainers_zero3_gives_the_files_partitions(tmp_path):
-    # transformers' own path: with the DeepSpeed TrainingArguments made first, from_pretrained builds the model under
-    # zero.Init and loads each tensor into its partitions; the Trainer then trains those partitions at 8 B/param.
-    from tests.scripts.hf_gpt2 import tiny_gpt2
-    from tests.test_integrations import hf_run
-
-    model = tiny_gpt2().to(torch.bfloat16)
-    model.save_pretrained(tmp_path / "gpt2", max_shard_size="20KB")
-    assert len(list((tmp_path / "gpt2").glob("model-*.safetensors"))) > 1
-    files = {k: v for k, v in model.state_dict().items()}
-    ranks = hf_run(tmp_path / "run", steps=4, from_pretrained=str(tmp_path / "gpt2"))
-    for rank, result in enumerate(ranks):
-        loaded = result["loaded_partitions"]
-        assert set(loaded) == {n for n, _ in model.named_parameters()}  # lm_head tied to wte: one tensor
-        for name, (part, n) in loaded.items():
-            flat = files[name].reshape(-1)[rank * n : (rank + 1) * n]
-            assert part is not None and part.dtype == torch.bfloat16 and torch.equal(part[: flat.numel()], flat), name
-        assert result["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
-        assert result["global_steps"] == 4 and result["losses"][-1] < result["losses"][0]
-
-
 def test_save_pretrained_replaces_the_previous_weights_and_refuses_bad_input_before_writing(tmp_path):
     from safetensors.torch import load_file
 

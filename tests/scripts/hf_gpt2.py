@@ -363,15 +363,35 @@ def run_accelerate(rank: int, out: Path, opts: dict) -> dict:
 def worker(rank: int, out: Path, opts: dict) -> None:
     world = opts.get("world", 2)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    run = {"trainer": run_trainer, "accelerate": run_accelerate, "stock_trainer": run_stock_trainer, "trl": run_trl}[
-        opts.get("front", "trainer")
-    ]
     # Registered first, so it runs after every exit handler of the run: was the process group left alive at exit?
     import atexit
 
     atexit.register(lambda: (out / f"exit_rank{rank}.txt").write_text(str(torch.distributed.is_initialized())))
-    torch.save(run(rank, out, opts), out / f"rank{rank}.pt")
+    # Several runs one after the other in the same processes, each in OUT/<name>, as a notebook runs them: the
+    # Trainer's and Accelerate's process-wide state (not the process group) and the environment reset between them.
+    for run in opts.get("runs", [{}]):
+        run_out = out / run.get("name", "")
+        run_out.mkdir(parents=True, exist_ok=True)
+        run = {**opts, **run}
+        front = {
+            "trainer": run_trainer,
+            "accelerate": run_accelerate,
+            "stock_trainer": run_stock_trainer,
+            "trl": run_trl,
+        }
+        environment = dict(os.environ)
+        torch.save(front[run.get("front", "trainer")](rank, run_out, run), run_out / f"rank{rank}.pt")
+        os.environ.clear()  # TrainingArguments and Accelerator set variables the next run would read
+        os.environ.update(environment)
+        _reset_process_state()
     # No teardown here: the integrations destroy the group Accelerate or TrainingArguments made, at exit.
+
+
+def _reset_process_state() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
 
 
 if __name__ == "__main__":
@@ -379,8 +399,10 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
-    if opts.get("export"):
-        from transformers import GPT2LMHeadModel
+    for run in opts.get("runs", [opts]):
+        if run.get("export"):
+            from transformers import GPT2LMHeadModel
 
-        loaded = GPT2LMHeadModel.from_pretrained(str(out / "export"), dtype=torch.bfloat16)
-        torch.save(loaded.state_dict(), out / "exported.pt")
+            run_out = out / run.get("name", "")
+            loaded = GPT2LMHeadModel.from_pretrained(str(run_out / "export"), dtype=torch.bfloat16)
+            torch.save(loaded.state_dict(), run_out / "exported.pt")
