@@ -91,17 +91,21 @@ RUN = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Stochastic rounding plain; Kahan with a scheduler, clipping, accumulation of 2, an inf/NaN step on rank 0 and a
-    checkpoint at step 4; the same resumed from that checkpoint."""
-    plain = tmp_path_factory.mktemp("fabric_plain")
-    fabric_run(plain, devices=2, steps=4, exact=True, record_exit=True)
-    whole = tmp_path_factory.mktemp("fabric_whole")
-    ckpt = whole / "step4.ckpt"
-    fabric_run(whole, strategy={"rounding": "kahan"}, exact=True, save_at=4, save_path=str(ckpt), **RUN)
-    resumed = tmp_path_factory.mktemp("fabric_resumed")
-    fabric_run(resumed, strategy={"rounding": "kahan"}, exact=True, resume=str(ckpt), **RUN)
-    exits = [(plain / f"exit_rank{r}.txt").read_text() for r in range(2)]
-    return load_ranks(plain), load_ranks(whole), load_ranks(resumed), ckpt, exits
+    """In one launch: stochastic rounding plain; Kahan with a scheduler, clipping, accumulation of 2, an inf/NaN step
+    on rank 0 and a checkpoint at step 4; the same resumed from that checkpoint."""
+    from tests.strategy_runs import fit_runs
+
+    out = tmp_path_factory.mktemp("fabric")
+    ckpt = out / "step4.ckpt"
+    kahan = {"strategy": {"rounding": "kahan"}, **RUN}
+    runs = [
+        {"name": "plain", "devices": 2, "steps": 4, "record_exit": True},
+        {"name": "whole", "save_at": 4, "save_path": str(ckpt), **kahan},
+        {"name": "resumed", "resume": str(ckpt), **kahan},
+    ]
+    fit_runs(out, runs, script="fabric_mlp.py", exact=True)
+    exits = [(out / "plain" / f"exit_rank{r}.txt").read_text() for r in range(2)]
+    return load_ranks(out / "plain"), load_ranks(out / "whole"), load_ranks(out / "resumed"), ckpt, exits
 
 
 def _state_buffers(rank: dict) -> list[tuple[str, torch.dtype, int]]:
