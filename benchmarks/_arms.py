@@ -6,13 +6,14 @@ Arms (the ``ARMS`` keys):
   Lightning's ``DeepSpeedStrategy(stage=3)`` with ``precision="bf16-mixed"`` runs;
 - ``ds_bf16_flags``: the same with DeepSpeed's own ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``;
 - ``pure_bf16``, ``pure_bf16_kahan``, ``pure_bf16_int8``, ``pure_bf16_int8_kahan``, ``pure_bf16_mmap``,
-  ``pure_bf16_release``, ``pure_bf16_int8_release``: this package's Fabric strategy (stochastic rounding, Kahan,
+  ``pure_bf16_release``, ``pure_bf16_int8_release``: this package's Fabric strategy with its defaults (the gathers as
+  ``gather_cache="auto"``) and stochastic rounding, Kahan,
   8-bit moments, 8-bit moments with an 8-bit Kahan remainder, optimizer states in memory-mapped files, gradient
   release with bf16 or 8-bit moments);
-- ``pure_bf16_keep``: stochastic rounding with ``gather_cache="keep"`` (ZeRO-3 keeps the layers it gathers for the
-  forward until their backward: the speed the default's second gather costs), with ``gather_cache="next"`` (the
-  next layer gathered while one computes) and with ``gather_cache="auto"`` (``"next"`` from the second step on where
-  the first step's peak leaves room for it);
+- ``pure_bf16_keep``, ``pure_bf16_next``, ``pure_bf16_layer``: stochastic rounding with ``gather_cache="keep"``
+  (ZeRO-3 keeps the layers it gathers for the forward until their backward), with ``gather_cache="next"`` (the next
+  layer gathered while one computes, always) and with ``gather_cache="layer"`` (one layer gathered at a time, no
+  gather overlapped: the tightest budgets' option);
 - ``fsdp2_bf16``: PyTorch FSDP2 (``fully_shard``, what Lightning's ``ModelParallelStrategy`` wraps) with bf16
   parameters and torch AdamW (bf16 states, round to nearest);
 - ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``;
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = {
     "ds_bf16_mixed": "DeepSpeed ZeRO-3 bf16 mixed (fp32 masters and moments, torch AdamW)",
     "ds_bf16_flags": "DeepSpeed ZeRO-3, bf16_master_weights_and_grads + bf16_optimizer_states",
-    "pure_bf16": "this strategy, stochastic rounding",
+    "pure_bf16": "this strategy's default (stochastic rounding, gather_cache='auto')",
     "pure_bf16_kahan": "this strategy, Kahan",
     "pure_bf16_int8": "this strategy, 8-bit moments",
     "pure_bf16_int8_kahan": "this strategy, 8-bit moments + 8-bit Kahan",
@@ -59,7 +60,7 @@ ARMS = {
     "pure_bf16_int8_mmap_release": "this strategy, 8-bit moments in memory-mapped files, gradient release",
     "pure_bf16_keep": "this strategy, stochastic rounding, gather_cache='keep' (DeepSpeed's cache of gathered layers)",
     "pure_bf16_next": "this strategy, stochastic rounding, gather_cache='next' (the next layer gathered ahead)",
-    "pure_bf16_auto": "this strategy, stochastic rounding, gather_cache='auto' ('next' where room is left)",
+    "pure_bf16_layer": "this strategy, stochastic rounding, gather_cache='layer' (one layer gathered at a time)",
     "fsdp2_bf16": "FSDP2 bf16 parameters, torch AdamW (bf16 states, nearest)",
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
     "fsdp2_pure_bf16": "FSDP2 bf16 parameters, this package's AdamW (stochastic rounding)",
@@ -77,7 +78,7 @@ OURS = {
     "pure_bf16_int8_mmap_release": {"moments": "int8", "state_storage": "mmap", "gradient_release": True},
     "pure_bf16_keep": {"gather_cache": "keep"},
     "pure_bf16_next": {"gather_cache": "next"},
-    "pure_bf16_auto": {"gather_cache": "auto"},
+    "pure_bf16_layer": {"gather_cache": "layer"},
 }
 REFERENCE = "ds_bf16_mixed"
 # Arms of optional peers: the package each needs and how to install it (a missing one is skipped with that line).

@@ -178,10 +178,10 @@ PLANNER_CONFIG = {
     "pure_bf16_int8_mmap_release": "pure_bf16_int8_mmap_release",
     "pure_bf16_next": "pure_bf16_stochastic",
     "pure_bf16_keep": "pure_bf16_stochastic",
-    "pure_bf16_auto": "pure_bf16_stochastic",
+    "pure_bf16_layer": "pure_bf16_stochastic",
 }
 # The gather_cache of the arms that do not run the default's, as the planner takes it.
-PLANNER_GATHER = {"pure_bf16_next": "next", "pure_bf16_keep": "keep", "pure_bf16_auto": "auto"}
+PLANNER_GATHER = {"pure_bf16_next": "next", "pure_bf16_keep": "keep", "pure_bf16_layer": "layer"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             probe = 0.0
         margin = max([t["before_model_gib"] for t in tries] + [probe])
-        gather = PLANNER_GATHER.get(arm, "layer")
+        gather = PLANNER_GATHER.get(arm, "auto")
         predicted = planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer, gather)
         predicted_params = predicted[PLANNER_CONFIG.get(arm, "pure_bf16_stochastic")]
         start = max([i for i, w in enumerate(grid) if _spec(w, args).params() <= predicted_params], default=0)
@@ -297,7 +297,7 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
     margin = max((t["before_model_gib"] for t in tries), default=0.0)
     planned = {
         gather: planner_largest(args.budget_gib, args.world_size, margin, args.device, args.n_layer, gather)
-        for gather in {PLANNER_GATHER.get(arm, "layer") for arm in dict.fromkeys(t["arm"] for t in tries)}
+        for gather in {PLANNER_GATHER.get(arm, "auto") for arm in dict.fromkeys(t["arm"] for t in tries)}
     }
     lines = [
         f"# The largest GPT each option trains in {args.budget_gib:g} GiB ({args.device}, {args.world_size} ranks)",
@@ -318,7 +318,7 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         ratio = f"{b['params'] / ref['params']:.2f}x" if ref else ""
         plan_text = ""
         if arm in PLANNER_CONFIG:
-            predicted = planned[PLANNER_GATHER.get(arm, "layer")][PLANNER_CONFIG[arm]]
+            predicted = planned[PLANNER_GATHER.get(arm, "auto")][PLANNER_CONFIG[arm]]
             plan_text = _planner_verdict(predicted, b["params"], first_failing(arm))
         lines.append(
             f"| {ARMS[arm]} | {b['width']} | {b['params'] / 1e6:,.1f}M | {b['peak_gib']:.2f} | {ratio} | {plan_text} |"

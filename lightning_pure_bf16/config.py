@@ -9,8 +9,8 @@ from typing import Any
 # its forward and gathers it again for its backward (the smallest peak); "next" does the same and gathers the next
 # layer while one computes (FSDP2's pattern: one more layer at the peak, the all-gathers overlapped); "keep" is
 # DeepSpeed's default, every layer gathered in the forward held until its backward (2 bytes/param more at the peak,
-# one all-gather fewer per step); "auto" runs the first step as "layer" and the rest as "next" when every rank has room
-# for it at that step's peak (core.NextLayerIfItFits).
+# one all-gather fewer per step); "auto", the default, runs the first step as "layer" and the rest as "next" when every
+# rank has room for it at that step's peak (core.NextLayerIfItFits).
 GATHER_CACHES = ("layer", "next", "auto", "keep")
 
 # What pure bf16 needs from DeepSpeed: bf16 everywhere, bf16 master weights/grads (aliased to the parameter partition

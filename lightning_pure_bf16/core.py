@@ -218,7 +218,7 @@ class PureBF16Settings:
         reduce_bucket_size: int | None,
         allgather_bucket_size: int | None,
         gradient_release: bool = False,
-        gather_cache: str = "layer",
+        gather_cache: str = "auto",
     ) -> None:
         self.who = who
         self.strategy_name = strategy_name
@@ -321,13 +321,14 @@ class PureBF16Settings:
                 )
         elif self.gather_cache == "layer":
             rank_zero_info(
-                f"{self.strategy_name}: gather_cache='layer': each layer's gathered parameters are released after its"
-                " forward and gathered again for its backward, as FSDP2 does (ZeRO-3 stage3_max_reuse_distance=0,"
+                f"{self.strategy_name}: gather_cache='layer' (the smallest peak, for the tightest budgets): each layer's"
+                " gathered parameters are released after its forward and gathered again for its backward, as FSDP2"
+                " does (ZeRO-3 stage3_max_reuse_distance=0,"
                 " and stage3_prefetch_bucket_size=0: ZeRO-3's prefetcher keeps what it scans past, every layer): about"
                 " 2 bytes per parameter less at the peak of the step than keeping them, for one more all-gather of the"
                 " parameters per step (ZeRO-3's traffic 1.5x) that no prefetch overlaps. `gather_cache='next'`"
-                " overlaps each all-gather with the layer before it for one more layer at the peak;"
-                " `gather_cache='keep'` keeps them all."
+                " overlaps each all-gather with the layer before it for one more layer at the peak, and the default"
+                " `gather_cache='auto'` does so where the memory allows it; `gather_cache='keep'` keeps them all."
             )
         elif self.gather_cache == "next":
             rank_zero_info(
@@ -338,11 +339,13 @@ class PureBF16Settings:
             )
         elif self.gather_cache == "auto":
             rank_zero_info(
-                f"{self.strategy_name}: gather_cache='auto': each layer's gathered parameters are released after its"
+                f"{self.strategy_name}: gather_cache='auto' (the default: the all-gathers overlapped with computation"
+                " wherever the memory allows it): each layer's gathered parameters are released after its"
                 " forward and gathered again for its backward; the first step gathers one layer at a time (as"
                 " gather_cache='layer'), and if at its peak every rank has room for twice what one more layer adds, the"
                 " following steps gather the next layer while one computes (as gather_cache='next'). The decision is"
-                " logged after the first step."
+                " logged after the first step; gather_cache='layer' keeps one layer at a time throughout, the"
+                " smallest peak."
             )
         else:
             rank_zero_info(
@@ -441,7 +444,7 @@ def after_engine_setup(
     device: torch.device,
     *,
     gradient_release: bool = False,
-    gather_cache: str = "layer",
+    gather_cache: str = "auto",
 ) -> PeakMeter:
     """Allocate every sub-group's optimizer state now (a shortage shows at setup), give the step views of the gradient
     partition instead of copies, let the gradient norm read it in pieces, install gradient release if asked (which

@@ -141,7 +141,7 @@ def initialize(
     seed: int | None = None,
     backend: str = "auto",
     gradient_release: bool = False,
-    gather_cache: str = "layer",
+    gather_cache: str = "auto",
     trust_checkpoint: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, AdamW, Any, Any]:

@@ -87,7 +87,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         moments: str = "bf16",
         compensation: str = "bf16",
         gradient_release: bool = False,
-        gather_cache: str = "layer",
+        gather_cache: str = "auto",
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,

@@ -207,7 +207,7 @@ class Plan:
     disk_gbps: float | None
     disk_seconds_per_step: dict[str, float | None]
     layers: int = DEFAULT_LAYERS
-    gather_cache: str = "layer"
+    gather_cache: str = "auto"
     deepspeed_working_buffers_gib: float = 0.0
     host_phases: list[HostPhase] = field(default_factory=list)
 
@@ -223,7 +223,7 @@ def plan(
     disk_gbps: float | None = None,
     reduce_bucket: int = REDUCE_BUCKET,
     layers: int = DEFAULT_LAYERS,
-    gather_cache: str = "layer",
+    gather_cache: str = "auto",
     largest_tensor: float | None = None,
 ) -> Plan:
     """Per-GPU memory of each configuration and whether it fits.
@@ -246,7 +246,7 @@ def plan(
             two (the next one gathered ahead), ``"auto"`` one (it gathers the next one ahead only where the
             memory left at the first step's peak holds it), ``"keep"``
             every gathered layer up to ZeRO-3's live-parameter limit, as DeepSpeed's own configurations always do
-            (default: ``"layer"``, the strategies' default).
+            (default: ``"auto"``, the strategies' default).
         largest_tensor: elements of the model's largest tensor, for the host memory of the phases around the step
             (:func:`host_phases`; default: ``None``, a Llama-shaped embedding).
 
@@ -279,7 +279,8 @@ def plan(
     # ZeRO-3 frees gathered layers only once a module's use leaves more than its live-parameter limit alive, so up to
     # the limit plus one layer stay gathered (`benchmarks/largest_model.py`: with the layer counted, the predictions
     # above 1e9 parameters fall inside the measured brackets; without it, they were 4% over).
-    # With gather_cache="layer" (this strategy's default) each layer is released after its use: one layer gathered.
+    # With gather_cache="layer" each layer is released after its use: one layer gathered; "auto" (the default) plans
+    # the same, the layer ahead being gathered only where the first step's peak left room for it.
     def working(cache: str) -> float:
         if cache == "keep":
             gathered = min(params, MAX_LIVE_PARAMETERS + params / layers)
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-gbps", type=float, default=None, help="disk bandwidth per node for the mmap rows")
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="layers of the model (default 32)")
     parser.add_argument(
-        "--gather-cache", choices=GATHER_CACHES, default="layer", help="the strategy's gather_cache (default layer)"
+        "--gather-cache", choices=GATHER_CACHES, default="auto", help="the strategy's gather_cache (default auto)"
     )
     parser.add_argument(
         "--largest-tensor",

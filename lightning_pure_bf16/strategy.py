@@ -81,16 +81,16 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             accumulation, gradient clipping and states in files are refused with it; an inf/NaN gradient leaves its
             partition as it was instead of skipping the whole step (default: ``False``;
             ``strategy="deepspeed_pure_bf16_release"``, ``"deepspeed_pure_bf16_int8_release"``).
-        gather_cache: what ZeRO-3 keeps of the parameters it gathers: ``"layer"`` releases each layer's gathered
-            parameters after its forward and gathers them again for its backward (the smallest peak, one more
-            all-gather of the parameters per step, not overlapped); ``"next"`` does the same and starts the next
-            layer's all-gather as a layer computes, as FSDP2 does (one more layer at the peak, the all-gathers
-            overlapped); ``"auto"`` runs the first step as ``"layer"`` and the rest as ``"next"`` if, at that step's
-            peak, every rank has room for twice what the next layer adds (the decision is logged); ``"keep"`` holds
-            every layer gathered in the forward until its backward, DeepSpeed's default
-            (up to 2 bytes/param more at the peak). ZeRO-3 settings of the user's
-            config (``stage3_max_reuse_distance``, ``stage3_max_live_parameters``, ``stage3_prefetch_bucket_size``)
-            are kept as they are (default: ``"layer"``).
+        gather_cache: what ZeRO-3 keeps of the parameters it gathers: ``"auto"`` runs the first step as
+            ``"layer"`` and the rest as ``"next"`` if, at that step's peak, every rank has room for twice what the
+            next layer adds (the decision is logged): the all-gathers overlapped wherever the memory allows it;
+            ``"next"`` releases each layer's gathered parameters after its forward, gathers them again for its
+            backward, and starts the next layer's all-gather as a layer computes, as FSDP2 does (one more layer at
+            the peak, the all-gathers overlapped); ``"layer"`` does the same without the overlap (the smallest peak,
+            for the tightest budgets: each all-gather waited for); ``"keep"`` holds every layer gathered in the
+            forward until its backward, DeepSpeed's default (up to 2 bytes/param more at the peak). ZeRO-3 settings
+            of the user's config (``stage3_max_reuse_distance``, ``stage3_max_live_parameters``,
+            ``stage3_prefetch_bucket_size``) are kept as they are (default: ``"auto"``).
         trust_checkpoint: resume from checkpoints without checking that none of their files needs code to be read
             (each file is otherwise read with torch's weights-only unpickler first, and one that needs more is
             refused). Only for checkpoints whose writer you trust: reading such a file can run any command. The
@@ -123,7 +123,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         moments: str = "bf16",
         compensation: str = "bf16",
         gradient_release: bool = False,
-        gather_cache: str = "layer",
+        gather_cache: str = "auto",
         trust_checkpoint: bool = False,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

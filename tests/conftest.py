@@ -8,7 +8,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The longest files first: pytest-xdist hands each worker whole files in the order collected, and the suite ends when
+# the last one does (a long file started last would run alone on one worker at the end).
+LONGEST_FIRST = (
+    "test_integrations.py",
+    "test_packaging.py",
+    "test_repartition.py",
+    "test_checkpoint.py",
+    "test_examples.py",
+    "test_release.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -135,7 +135,8 @@ def test_json_output():
 
 def test_with_the_default_gather_cache_one_layer_is_gathered_next_two_and_deepspeeds_rows_keep_every_layer():
     layer, keep = plan(7e9, 8, 80, layers=32), plan(7e9, 8, 80, layers=32, gather_cache="keep")
-    assert layer.gather_cache == "layer"
+    assert layer.gather_cache == "auto"  # the default plans one layer: it gathers a second only where it has room
+    assert plan(7e9, 8, 80, layers=32, gather_cache="layer").working_buffers_gib == layer.working_buffers_gib
     # keep: the live-parameter limit (1e9) plus one layer gathered; layer: one layer. 2 bytes each.
     assert keep.working_buffers_gib - layer.working_buffers_gib == pytest.approx(2 * 1e9 / GIB)
     assert layer.deepspeed_working_buffers_gib == keep.working_buffers_gib == keep.deepspeed_working_buffers_gib
