@@ -321,9 +321,9 @@ class PureBF16Settings:
                 )
         elif self.gather_cache == "layer":
             rank_zero_info(
-                f"{self.strategy_name}: gather_cache='layer' (the smallest peak, for the tightest budgets): each layer's"
-                " gathered parameters are released after its forward and gathered again for its backward, as FSDP2"
-                " does (ZeRO-3 stage3_max_reuse_distance=0,"
+                f"{self.strategy_name}: gather_cache='layer' (the smallest peak, for the tightest budgets): each"
+                " layer's gathered parameters are released after its forward and gathered again for its backward, as"
+                " FSDP2 does (ZeRO-3 stage3_max_reuse_distance=0,"
                 " and stage3_prefetch_bucket_size=0: ZeRO-3's prefetcher keeps what it scans past, every layer): about"
                 " 2 bytes per parameter less at the peak of the step than keeping them, for one more all-gather of the"
                 " parameters per step (ZeRO-3's traffic 1.5x) that no prefetch overlaps. `gather_cache='next'`"
