@@ -62,6 +62,7 @@ class PrivateName:
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _LIGHTNING_DS = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
+_FABRIC_DS = "lightning.fabric.strategies.deepspeed:DeepSpeedStrategy"
 _ACCELERATOR = "accelerate.accelerator:Accelerator"
 _COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator"
 # ZeRO-3's per-parameter views of its flat gradient partition (a name-mangled attribute).
@@ -187,6 +188,40 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "starts an asynchronous all-gather and registers it as in flight, which the next fetch waits on",
         ("self", "params", "forward"),
     ),
+    PrivateName(
+        _STAGE3, "_setup_for_real_optimizer", "method", "wrapped: no gradient buffers under release", ("self",)
+    ),
+    PrivateName(
+        _STAGE3,
+        "_prepare_fp32_grad_for_sub_group",
+        "method",
+        "replaced: the step reads a view of the gradient partition",
+        ("self", "sub_group_id"),
+    ),
+    PrivateName(
+        _STAGE3,
+        "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
+        "method",
+        "wrapped: full buckets reduced at once",
+        ("self", "communication_data_type"),
+    ),
+    PrivateName(
+        _STAGE3,
+        "get_grad_norm_direct",
+        "method",
+        "replaced: the norm read in pieces",
+        ("self", "gradients", "params", "norm_type"),
+    ),
+    PrivateName(
+        _STAGE3,
+        "partition_grads",
+        "method",
+        "wrapped: gradient release updates each partition there",
+        ("self", "params_to_release", "grad_partitions"),
+    ),
+    PrivateName(_STAGE3, "zero_grad", "method", "gradients cleared at the released step", ("self", "set_to_none")),
+    PrivateName(_STAGE3, "_set_fp32_optimizer_param_groups", "method", "the groups filled for a load", ("self",)),
+    PrivateName(_STAGE3, "_clear_fp32_optimizer_param_groups", "method", "and emptied after it", ("self",)),
     # Lightning: methods of DeepSpeedStrategy the Trainer strategy overrides or calls
     PrivateName(_LIGHTNING_DS, "_load_config", "method", "reads the user's DeepSpeed config", ("self", "config")),
     PrivateName(_LIGHTNING_DS, "_init_deepspeed_distributed", "method", "the CPU (gloo) process group", ("self",)),
@@ -203,6 +238,31 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         _LIGHTNING_DS, "_initialize_deepspeed_inference", "method", "replaced: a CPU device rank", ("self", "model")
     ),
     PrivateName(_LIGHTNING_DS, "exclude_frozen_parameters", "attribute", "passed to DeepSpeed's save_checkpoint"),
+    # Lightning: what the Fabric strategy overrides, calls or sets of Fabric's DeepSpeedStrategy
+    PrivateName(_FABRIC_DS, "_setup_distributed", "method", "overridden: the CPU (gloo) process group", ("self",)),
+    PrivateName(_FABRIC_DS, "_set_world_ranks", "method", "called there, as Fabric's own does", ("self",)),
+    PrivateName(_FABRIC_DS, "_format_config", "method", "called there once, as Fabric's own does", ("self",)),
+    PrivateName(_FABRIC_DS, "_config_initialized", "attribute", "whether the config was formatted"),
+    PrivateName(
+        _FABRIC_DS,
+        "_initialize_engine",
+        "method",
+        "DeepSpeed initialized (with this package's patches around it)",
+        ("self", "model", "optimizer", "scheduler"),
+    ),
+    PrivateName(_FABRIC_DS, "_deepspeed_engine", "attribute", "the engine the strategy keeps"),
+    PrivateName(_FABRIC_DS, "_set_deepspeed_activation_checkpointing", "method", "as Fabric's setup does", ("self",)),
+    PrivateName(
+        _FABRIC_DS,
+        "_convert_stateful_objects_in_state",
+        "method",
+        "fabric.save's client state, as Fabric's own save converts it",
+        ("self", "state", "filter"),
+    ),
+    PrivateName(_FABRIC_DS, "_backward_sync_control", "attribute", "replaced: no_backward_sync under ZeRO-3"),
+    PrivateName(
+        "lightning.fabric.strategies.strategy:Strategy", "_precision", "attribute", "the precision the strategy sets"
+    ),
     PrivateName(
         "lightning.pytorch.strategies.strategy:Strategy",
         "_precision_plugin",
@@ -379,6 +439,24 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "method",
         "ties made after a partitioned construction",
         ("self", "missing_keys", "recompute_mapping"),
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.partition_parameters",
+        "zero_init_context",
+        "marker",
+        "the depth of open zero.Init contexts (a partitioned construction is open)",
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.partition_parameters",
+        "_old_init",
+        "marker",
+        "where zero.Init keeps a class's own __init__ while it is open",
+    ),
+    PrivateName(
+        "torch.nn.modules.module:Module",
+        "_non_persistent_buffers_set",
+        "marker",
+        "the buffers a state dict leaves out (pretrained.py's targets)",
     ),
     PrivateName(
         "transformers.modeling_utils:PreTrainedModel",
@@ -1480,6 +1558,19 @@ FabricBackwardSyncControl: type = _fabric_backward_sync_control()
 
 
 # ------------------------------------------------------------------------------------------------------ torch
+def is_persistent_buffer(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s own buffer ``name`` goes into its state dict (``register_buffer(persistent=True)``)."""
+    return name not in _read(module, "_non_persistent_buffers_set", "the buffers a state dict leaves out")
+
+
+def mark_loaded_parameters(model: torch.nn.Module, names: set[str]) -> None:
+    """Mark ``names`` (of ``model.named_parameters(remove_duplicate=False)``) as loaded, as transformers' own
+    ``from_pretrained`` does: its initialisation skips them."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in names:
+            param._is_hf_initialized = True  # type: ignore[attr-defined]
+
+
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """What a call of ``optimizer.step`` tells a torch ``LRScheduler`` built on it (its wrapper's mark), for a step
     applied without that call (gradient release applies it in slices during the backward). Without it the first

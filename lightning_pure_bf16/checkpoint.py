@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from lightning_pure_bf16.repartition import ZeroCheckpoint
 
-from lightning_pure_bf16.durable import fsync_path, fsync_tree
+from lightning_pure_bf16.durable import fsync_path, fsync_tree, replaced_atomically
 from lightning_pure_bf16.safe_load import (
     CheckpointError,
     UntrustedCheckpointError,
@@ -48,6 +49,8 @@ FORMAT_VERSION = 1
 _TMP_SUFFIX = ".pure_bf16_tmp"
 _OLD_SUFFIX = ".pure_bf16_old"
 
+log = logging.getLogger(__name__)
+
 
 def staging_path(path: str | os.PathLike) -> Path:
     """Where a save to ``path`` is written before it is moved into place."""
@@ -63,13 +66,8 @@ def write_manifest(directory: Path, world_size: int, **info: Any) -> None:
         if p.is_file() and p.name != MANIFEST
     }
     manifest = {"format": FORMAT_VERSION, "world_size": world_size, "tag": TAG, "files": files, **info}
-    part = directory / f"{MANIFEST}.part"
-    with open(part, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, directory / MANIFEST)
-    fsync_path(directory)
+    with replaced_atomically(directory / MANIFEST) as part:
+        part.write_text(json.dumps(manifest, indent=1))
 
 
 def commit_staged(path: str | os.PathLike) -> None:
@@ -152,14 +150,8 @@ LATEST = "latest"
 def write_latest_tag(save_dir: str | os.PathLike, tag: str) -> None:
     """Write DeepSpeed's ``latest`` file (the tag of the newest checkpoint in ``save_dir``): a whole new file moved
     over the old one, fsynced, so a crash leaves one tag or the other."""
-    directory = Path(save_dir)
-    staged = directory / f".{LATEST}.tmp"
-    with open(staged, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staged, directory / LATEST)
-    fsync_tree(directory, recursive=False)
+    with replaced_atomically(Path(save_dir) / LATEST) as part:
+        part.write_text(tag)
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -363,7 +355,7 @@ def weight_sources(
     sources = reader.weight_sources(tied_aliases=tied_aliases)
     if reader.master_dtype == torch.float32:
         trained = sum(1 for _ in reader.iter_params())
-        print(
+        log.info(
             f"'{path}' holds fp32 master weights (DeepSpeed mixed precision): converted {trained} tensors to bf16,"
             " rounding to nearest."
         )
@@ -460,16 +452,9 @@ def export_optimizer_state(
 def write_file_atomically(sources: list[TensorSource], output: str | os.PathLike) -> Path:
     """One safetensors file, streamed, written aside and moved into place complete (an existing file at ``output``
     stays whole until then)."""
-    output = Path(output)
-    part = output.with_name(output.name + ".part")
-    try:
+    with replaced_atomically(output) as part:
         write_safetensors(part, sources)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    os.replace(part, output)
-    fsync_path(output.absolute().parent)
-    return output
+    return Path(output)
 
 
 def consolidate_optimizer_state(
@@ -516,17 +501,14 @@ def save_state_dict(state: dict[str, torch.Tensor], output: str | os.PathLike) -
     suffix = output.suffix.lower()
     if suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise ValueError(f"Unknown output type '{output.suffix}' for '{output}': use .safetensors or .pt.")
-    part = output.with_name(output.name + ".part")
-    if suffix == ".safetensors":
-        from safetensors.torch import save_file
+    with replaced_atomically(output) as part:
+        if suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        # safetensors refuses tensors that share memory; tied weights are written once each.
-        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(part))
-    else:
-        torch.save(state, part)
-    fsync_path(part)
-    os.replace(part, output)
-    fsync_path(output.absolute().parent)
+            # safetensors refuses tensors that share memory; tied weights are written once each.
+            save_file({k: v.contiguous().clone() for k, v in state.items()}, str(part))
+        else:
+            torch.save(state, part)
     return output
 
 

@@ -10,6 +10,7 @@ whole model in memory: ``torch.save`` writes a dict).
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 from pathlib import Path
@@ -55,6 +56,21 @@ def _key_map(pairs: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; the library's messages (``logging``, logger ``lightning_pure_bf16``) printed with its own."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("lightning_pure_bf16")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return _run(argv)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_pure_bf16.consolidate",
         description="Write the weights of a deepspeed_pure_bf16 checkpoint (any world size) in bf16, streamed: into a"

@@ -1,9 +1,11 @@
-"""fsync primitives shared by checkpoints and re-partitioning: when one of these returns, the data and the names
-are on the disk."""
+"""Durable writes shared by every writer of the package (checkpoints, re-partitioning, exports): when one of these
+returns, the data and the names are on the disk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -28,4 +30,27 @@ def fsync_tree(directory: str | os.PathLike, *, recursive: bool = True) -> None:
         fsync_path(directory)
 
 
-__all__ = ["fsync_path", "fsync_tree"]
+@contextlib.contextmanager
+def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
+    """Write a file that replaces ``path`` whole or not at all: yields ``PATH.part`` to write; when the block ends
+    without an error its data is fsynced, it is moved over ``path`` and the directory is fsynced (a crash leaves the
+    old file or the new one, never a mix); on an error the partial file is removed and ``path`` is untouched.
+
+    Example::
+
+        with replaced_atomically(directory / "latest") as part:
+            part.write_text(tag)
+    """
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    try:
+        yield part
+        fsync_path(part)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    os.replace(part, path)
+    fsync_path(path.absolute().parent)
+
+
+__all__ = ["fsync_path", "fsync_tree", "replaced_atomically"]

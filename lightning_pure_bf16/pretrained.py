@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.shards import (
     DEFAULT_MAX_SHARD_SIZE,
     TensorSource,
@@ -48,6 +50,8 @@ _OTHERS = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+log = logging.getLogger(__name__)
 
 
 class PretrainedError(ValueError):
@@ -100,7 +104,7 @@ def _module_targets(module: nn.Module) -> dict[str, torch.Tensor]:
         targets[name] = param
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for buf_name, buf in mod.named_buffers(recurse=False):
-            if buf is not None and buf_name not in mod._non_persistent_buffers_set:
+            if buf is not None and _internals.is_persistent_buffer(mod, buf_name):
                 targets[f"{mod_name}.{buf_name}" if mod_name else buf_name] = buf
     return targets
 
@@ -253,7 +257,7 @@ def load_pretrained(
         for handle in handles.values():
             handle.__exit__(None, None, None)
     if converted and _is_first_rank():
-        print(
+        log.info(
             f"load_pretrained: {len(converted)} tensors of '{path}' converted to the module's dtype (rounded to"
             f" nearest): {_listed(converted, 4)}."
         )

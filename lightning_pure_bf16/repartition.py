@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from lightning_pure_bf16 import _internals
-from lightning_pure_bf16.durable import fsync_tree
+from lightning_pure_bf16.durable import fsync_tree, replaced_atomically
 from lightning_pure_bf16.optim import quant
 from lightning_pure_bf16.safe_load import CheckpointError, UntrustedCheckpointError, load_state_file
 from lightning_pure_bf16.shards import TensorSource
@@ -461,10 +461,8 @@ def export_universal(
     fsync_tree(staged)
     output.mkdir(parents=True, exist_ok=True)
     os.replace(staged, final)
-    latest = output / "latest_universal.part"
-    latest.write_text(tag)
-    os.replace(latest, output / "latest_universal")
-    fsync_tree(output, recursive=False)
+    with replaced_atomically(output / "latest_universal") as part:
+        part.write_text(tag)
     return final
 
 

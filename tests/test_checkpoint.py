@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -535,10 +536,16 @@ def test_fp32_master_checkpoint_is_refused_unless_accepted(fp32_master_checkpoin
     assert validate_checkpoint(fp32_master_checkpoint, accept_fp32_masters=True) == (fp32_master_checkpoint, None)
 
 
-def test_fp32_master_checkpoint_is_converted_with_a_message(fp32_master_checkpoint, capsys):
+def test_fp32_master_checkpoint_is_converted_with_a_message(fp32_master_checkpoint, caplog, capsys):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = consolidate_checkpoint(fp32_master_checkpoint)
+    from lightning_pure_bf16.consolidate import main as consolidate_main
+
+    with caplog.at_level(logging.INFO, logger="lightning_pure_bf16"):
+        state = consolidate_checkpoint(fp32_master_checkpoint)
+    assert "holds fp32 master weights" in caplog.text  # logged by the library, printed by the command
+    capsys.readouterr()
+    assert consolidate_main([str(fp32_master_checkpoint), str(fp32_master_checkpoint.parent / "w.safetensors")]) == 0
     assert "holds fp32 master weights" in capsys.readouterr().out
     reference = get_fp32_state_dict_from_zero_checkpoint(str(fp32_master_checkpoint), tag="checkpoint")
     assert set(state) == set(reference)

@@ -5,6 +5,7 @@ checked before anything is written."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_every_flat_range_reads_exactly_its_elements(tmp_path):
                 assert torch.equal(got, t.reshape(-1)[start:stop]), (start, stop)
 
 
-def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tmp_path, capsys):
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tmp_path, caplog):
     weights = pretrained_weights()
     save_file(weights, tmp_path / "model.safetensors")
     module = MLP()
@@ -76,9 +77,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_written(tm
 
     # strict=False: what matches is loaded, the rest reported; float32 converted to the module's dtype with a message.
     module.to(torch.bfloat16)
-    loaded = load_pretrained(module, tmp_path / "extra.safetensors", strict=False)
+    with caplog.at_level(logging.INFO, logger="lightning_pure_bf16"):
+        loaded = load_pretrained(module, tmp_path / "extra.safetensors", strict=False)
     assert loaded.unexpected_keys == ["net.head.weight"] and loaded.missing_keys == []
-    assert loaded.converted_keys == ["net.0.bias"] and "1 tensors of" in capsys.readouterr().out
+    assert loaded.converted_keys == ["net.0.bias"] and "1 tensors of" in caplog.text
     for name, value in module.state_dict().items():
         assert torch.equal(value, weights[name[len("net.") :]].to(torch.bfloat16)), name
 

@@ -98,7 +98,8 @@ def test_no_other_module_touches_the_private_surface():
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in attributes:
+            # What a class reads of what it inherits is test_every_private_upstream_access_is_in_internals_and_listed's.
+            if isinstance(node, ast.Attribute) and node.attr in attributes and not _is_self(node.value):
                 base = ast.unparse(node.value)
                 # The optimizer's own counter of skipped steps is ours, not DeepSpeed's engine's.
                 if node.attr == "skipped_steps" and base in ("self", "base", "optimizer", "opt", "new", "converted"):
@@ -124,12 +125,30 @@ def test_deepspeed_accelerator_can_be_set():
     assert CPU_Accelerator().device_name() == "cpu" and CUDA_Accelerator().device_name() == "cuda"
 
 
-def test_warning_filters_match_their_origins():
-    from lightning_pure_bf16._warnings import KNOWN_WARNINGS
+def test_warning_filters_match_their_origins(monkeypatch):
+    import importlib
+    import logging
+    import re
+    import warnings
 
-    for _, _, module in KNOWN_WARNINGS:
-        name = module.replace("\\.", ".")
-        __import__(name)  # each filter names a module that exists
+    from lightning_pure_bf16 import _warnings
+    from lightning_pure_bf16._warnings import KNOWN_LOG_RECORDS, KNOWN_WARNINGS, silence_known_warnings
+
+    monkeypatch.setattr(_warnings, "_installed", False)  # pytest restores the filters after each test
+    silence_known_warnings()
+    installed = {
+        (f[1].pattern, f[2], f[3].pattern) for f in warnings.filters if f[0] == "ignore" and f[1] and f[3] is not None
+    }
+    for message, category, module in KNOWN_WARNINGS:
+        # warnings.filterwarnings matches `module` against the warning's module name: each names a module that exists
+        # under that exact name, and each is installed as an "ignore" filter of its message and category.
+        imported = importlib.import_module(module.replace("\\.", "."))
+        assert re.fullmatch(module, imported.__name__), module
+        assert (message, category, module) in installed, message
+    import deepspeed  # noqa: F401  (its logger exists once it is imported)
+
+    for name, start in KNOWN_LOG_RECORDS:
+        assert name in logging.Logger.manager.loggerDict and start, name
 
 
 def test_master_aliasing_bug_and_fix():
@@ -347,3 +366,117 @@ def test_a_resume_reads_deepspeeds_files_through_the_given_reader_and_puts_its_o
         loaded = engine.checkpoint_engine.load(str(tmp_path / "f.pt"), map_location="cpu")
     assert read == [str(tmp_path / "f.pt")] and torch.equal(loaded["w"], torch.arange(4.0))
     assert engine.checkpoint_engine.load == own
+
+
+# ------------------------------------------------------------------------------------- the guard, over all the source
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _listed(name: str) -> bool:
+    """In PRIVATE_NAMES, a name-mangled ``_Class__name`` as its ``__name``."""
+    names = {entry.name for entry in PRIVATE_NAMES if entry.kind != "marker"}
+    names |= {word for entry in PRIVATE_NAMES if entry.kind == "marker" for word in re.findall(r"\w+", entry.name)}
+    return name in names or re.sub(r"^_[A-Za-z0-9]+(__\w+)$", r"\1", name) in names
+
+
+def _is_self(node: ast.expr) -> bool:
+    """``self``, ``cls`` or ``super()``: a class reading what it inherits."""
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
+
+
+def _inherited(trees: dict[pathlib.Path, ast.Module]) -> dict[str, str]:
+    """Each private name a class of the package uses on ``self`` (or defines) that one of its upstream bases has: the
+    name, to the base."""
+    import importlib
+
+    found = {}
+    for path, tree in trees.items():
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            used = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and _is_self(n.value)}
+            used = {name for name in used if _private(name)}
+            cls = getattr(importlib.import_module(module), node.name, None) if used else None
+            if not isinstance(cls, type):
+                continue
+            bases = [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] != PACKAGE.name and b is not object]
+            for name in used:
+                for base in bases:
+                    try:
+                        source = inspect.getsource(base)
+                    except (OSError, TypeError):
+                        source = ""
+                    if name in vars(base) or f"self.{name}" in source:
+                        found[name] = f"{base.__module__}:{base.__qualname__}"
+                        break
+    return found
+
+
+def private_accesses(trees: dict[pathlib.Path, ast.Module], inherited: dict[str, str]) -> list[str]:
+    """What the guard refuses: outside ``_internals.py``, a private attribute the package does not define, read or set
+    on anything but ``self`` (where inherited private names must be listed); in ``_internals.py``, such an attribute,
+    or a name read with ``_read``/``getattr``, that PRIVATE_NAMES does not list; anywhere, an inherited one unlisted."""
+    own = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
+                own.add(node.attr)
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_pure_bf16"):
+                own.add(node.attr)  # the package's own marks on other objects
+    own -= set(inherited)
+    offenders = []
+    for path, tree in trees.items():
+        internal = path.name == "_internals.py"
+        for node in ast.walk(tree):
+            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                if internal or _is_self(node.value):
+                    if not _listed(node.attr):
+                        offenders.append(f"{where} {ast.unparse(node)} (not in PRIVATE_NAMES)")
+                else:
+                    offenders.append(f"{where} {ast.unparse(node)} (outside _internals.py)")
+            elif (
+                internal
+                and isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("_read", "getattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and (node.func.id == "_read" or _private(node.args[1].value))
+                and node.args[1].value not in own
+                and not _listed(node.args[1].value)
+            ):
+                offenders.append(f"{where} {node.func.id}(..., {node.args[1].value!r}) (not in PRIVATE_NAMES)")
+    offenders += [
+        f"inherited {name} of {base} (not in PRIVATE_NAMES)" for name, base in inherited.items() if not _listed(name)
+    ]
+    return offenders
+
+
+def test_every_private_upstream_access_is_in_internals_and_listed(tmp_path):
+    trees = {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+    inherited = _inherited(trees)
+    assert "_setup_distributed" in inherited and "_init_deepspeed_distributed" in inherited  # the walk sees them
+    offenders = private_accesses(trees, inherited)
+    assert not offenders, f"private upstream names outside _internals.py or missing from PRIVATE_NAMES: {offenders}"
+    # Planted: a module reading a private attribute of another library's object, and _internals reading an unlisted one.
+    planted = {
+        tmp_path / "planted.py": ast.parse("def f(engine):\n    return engine._hidden_state\n"),
+        tmp_path / "_internals.py": ast.parse("def g(zero):\n    return _read(zero, '_unlisted', 'why')\n"),
+    }
+    assert private_accesses({**trees, **planted}, inherited) == [
+        "planted.py:2 engine._hidden_state (outside _internals.py)",
+        "_internals.py:2 _read(..., '_unlisted') (not in PRIVATE_NAMES)",
+    ]
