@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, the GPUs on CUDA")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--reference",
+        choices=list(ARMS),
+        default=REFERENCE,
+        help=f"the arm the ratios are to (default {REFERENCE}; on a CPU without native bf16 its bf16 products are"
+        " slow, and another arm of this package compares like with like)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="run every arm this many times, round-robin; report medians and ranges"
     )
     args = parser.parse_args(argv)
@@ -119,12 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             if round_ and not runs[arm][-1]["ok"]:
                 continue
             runs[arm].append(measure(arm, spec))
-    rows = [aggregate(arm, runs[arm], runs.get(REFERENCE)) for arm in args.arms]
+    rows = [aggregate(arm, runs[arm], runs.get(args.reference)) for arm in args.arms]
 
     out = args.out or (RESULTS / "gpu" if gpu else RESULTS)
     stem = "gpt_throughput_quick" if args.quick else "gpt_throughput"
     command = shlex.join(["python", "benchmarks/gpt_throughput.py", *(argv if argv is not None else sys.argv[1:])])
     where = "summed over the ranks (resident high-water marks)" if not gpu else "torch.cuda.max_memory_allocated"
+    reference_name = ARMS[args.reference].split(" (")[0]
     lines = [
         f"# GPT training throughput: {spec.params():,} parameters, {args.world_size} {args.device} rank(s)",
         "",
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         ),
         "",
-        "| arm | tokens/s | vs DeepSpeed bf16 mixed | forward+backward s | optimizer step s | peak GiB |",
+        f"| arm | tokens/s | vs {reference_name} | forward+backward s | optimizer step s | peak GiB |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

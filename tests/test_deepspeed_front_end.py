@@ -27,15 +27,17 @@ SECTION = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 
 
 @pytest.fixture(scope="module")
 def ds_out(tmp_path_factory):
-    """One after the other in the same 2 processes: the whole run, its resume from the step-3 checkpoint, and a run
-    with the config's optimizer section."""
+    """One after the other in the same 2 processes: the whole run, its resume from the step-3 checkpoint, a run
+    with the config's optimizer section, and DeepSpeed's own initialize with bf16 mixed precision at ZeRO stages 1 and
+    3 (last: this package's initialize is not around them)."""
     out = tmp_path_factory.mktemp("ds")
     ckpt = out / "whole" / "mid"
     whole = {"name": "whole", "save_path": str(ckpt), **WHOLE}
     resumed = {"name": "resumed", "steps": 6, "resume": str(ckpt), "nan_step": 1}
     options = {"moments": "int8", "rounding": "kahan"}
     section = {"name": "section", "steps": 2, "optimizer": "none", "config": SECTION, "options": options}
-    ds_run(out, runs=[whole, resumed, section])
+    plain = [{"name": f"stage{stage}", "plain_deepspeed": True, "stage": stage} for stage in (1, 3)]
+    ds_run(out, runs=[whole, resumed, section, *plain])
     return out
 
 
@@ -169,13 +171,11 @@ def test_what_contradicts_pure_bf16_is_refused_before_anything_is_set_up(config,
     assert not dist.is_initialized()  # refused before the process group
 
 
-def test_deepspeeds_own_initialize_with_float32_masters_is_refused_not_trained_wide(tmp_path):
+def test_deepspeeds_own_initialize_with_float32_masters_is_refused_not_trained_wide(ds_out):
     # The silent path: the package's optimizer inside DeepSpeed's bf16 mixed precision gets float32 master
-    # partitions (16 bytes/param): refused at the first step, before any weight or state changes. ZeRO stages 1 and
-    # 3, one after the other in the same 2 processes.
-    ds_run(tmp_path, runs=[{"name": f"stage{stage}", "plain_deepspeed": True, "stage": stage} for stage in (1, 3)])
+    # partitions (16 bytes/param): refused at the first step, before any weight or state changes. ZeRO stages 1 and 3.
     for stage in (1, 3):
-        for r in load_ranks(tmp_path / f"stage{stage}"):
+        for r in load_ranks(ds_out / f"stage{stage}"):
             assert r["error"] is not None and "float32 master weights" in r["error"], stage
             assert "16 bytes/param" in r["error"] and "lightning_pure_bf16.deepspeed.initialize" in r["error"]
 
