@@ -3,7 +3,11 @@
 Every specialisation the optimizer can launch: each rounding, Adam (L2) and AdamW (decoupled), bf16 and float32
 gradients, 32- and 64-bit sizes and offsets, pointers aligned to 16 bytes (vector loads) or not; for sm_80 (A100)
 and sm_90 (H100/H200). Compiled with Triton's own ``triton.compile`` and a CUDA ``GPUTarget`` (the ``ptxas`` in the
-triton wheel); registers and local memory (spills) read from the cubin with the wheel's ``cuobjdump``.
+triton wheel); registers and local memory (spills) read from the cubin with the wheel's ``cuobjdump``, and the SASS
+instructions it disassembles counted per element (the kernel has no loop: each thread runs its elements unrolled, so
+the instructions of one pass over the kernel, less ``NOP`` padding and the closing self-branch, divided by the
+elements per thread). For the default configurations the report sets the time those instructions take at a device's
+issue rate beside the time the kernel's bytes take at its memory bandwidth: the larger bounds the step.
 
     python benchmarks/kernel_resources.py            # both architectures, every specialisation
     python benchmarks/kernel_resources.py --quick    # sm_90 only
@@ -34,6 +38,12 @@ from lightning_pure_bf16.ops import adamw_triton  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ARCHS = (80, 90)
+ELEMENTS_PER_THREAD = adamw_triton.BLOCK_SIZE // (32 * adamw_triton.NUM_WARPS)
+# Devices of sm_90: streaming multiprocessors, the clock (GHz) and the memory bandwidth (TB/s); an SM issues one
+# warp instruction per clock on each of its 4 schedulers. SMs and bandwidths as NVIDIA states them for the SXM parts
+# (132 SMs; 3.35 and 4.8 TB/s). The clock is an assumption, a sustained 1.755 GHz under load (at which an H100 issues
+# 124 instructions per element in the time its memory moves 14 bytes); --clock-ghz sets another.
+DEVICES = {"H100 SXM": (132, 1.755, 3.35), "H200 SXM": (132, 1.755, 4.8)}
 POINTERS = ("p_ptr", "g_ptr", "m_ptr", "v_ptr", "ms_ptr", "vs_ptr", "c_ptr")
 SCALARS = (
     "beta1",
@@ -64,26 +74,61 @@ def _signature(grad: str, ints: str, q8m: bool = False, c8: bool = False) -> dic
     }
 
 
-def _usage(cubin: bytes) -> tuple[int | None, int | None]:
+def _usage(cubin: bytes) -> tuple[int | None, int | None, int | None]:
+    """Registers, local memory bytes and SASS instructions (``None`` each where the wheel has no ``cuobjdump``)."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():
-        return None, None
+        return None, None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
     registers, local = re.search(r"REG:(\d+)", out), re.search(r"LOCAL:(\d+)", out)
-    return (int(registers.group(1)) if registers else None), (int(local.group(1)) if local else None)
+    return (
+        (int(registers.group(1)) if registers else None),
+        (int(local.group(1)) if local else None),
+        sass_instructions(sass),
+    )
+
+
+def sass_instructions(sass: str) -> int:
+    """The instructions of a ``cuobjdump -sass`` listing, less ``NOP`` padding and the self-branch after ``EXIT``."""
+    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    body = [op for op in opcodes if not op.startswith("NOP")]
+    while body and body[-1].startswith("BRA"):
+        body.pop()
+    return len(body)
+
+
+def bytes_per_element(grad: str, rounding: str) -> float:
+    """What one element of the update reads and writes: the weight (bf16, both ways), the gradient (read), each moment
+    (bf16 both ways, or int8 with a bf16 scale per 128 elements), Kahan's remainder (bf16 or int8, both ways)."""
+    moments = 2 * (2 * 1 + 2 * 2 / 128) if "int8 moments" in rounding else 2 * 2 * 2
+    remainder = 0 if not rounding.startswith("kahan") else (2 if "int8 remainder" in rounding else 4)
+    return 4 + (2 if grad == "bf16" else 4) + moments + remainder
+
+
+def predicted(
+    per_element: float, nbytes: float, device: str, numel: int = 2**24, clock_ghz: float | None = None
+) -> tuple[float, float]:
+    """(milliseconds at the issue rate, milliseconds at the memory bandwidth) of one update of ``numel`` elements."""
+    sms, ghz, tbps = DEVICES[device]
+    ghz = clock_ghz or ghz
+    issue = numel * per_element / 32 / (sms * 4 * ghz * 1e9)
+    return issue * 1e3, numel * nbytes / (tbps * 1e12) * 1e3
 
 
 def _build(source: ASTSource, arch: int) -> dict:
     """Compile one specialisation for ``sm_<arch>``; what it uses."""
     options = {"num_warps": adamw_triton.NUM_WARPS, "enable_fp_fusion": False}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    registers, local = _usage(compiled.asm["cubin"])
+    registers, local, sass = _usage(compiled.asm["cubin"])
     return {
         "registers": registers,
         "local_bytes": local,
+        "sass": sass,
+        "sass_per_element": None if sass is None else round(sass / ELEMENTS_PER_THREAD, 1),
         "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
         "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", compiled.asm["ptx"])),
         "cubin_bytes": len(compiled.asm["cubin"]),
@@ -164,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="sm_90 only")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON, write no files")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--clock-ghz", type=float, default=None, help="the SM clock of the prediction (default 1.755)")
     args = parser.parse_args(argv)
     rows = compile_all((90,) if args.quick else ARCHS)
     if args.json:
@@ -173,20 +219,56 @@ def main(argv: list[str] | None = None) -> int:
     from _results import write_results
 
     command = "python benchmarks/kernel_resources.py" + (" --quick" if args.quick else "")
+    command += f" --clock-ghz {args.clock_ghz:g}" if args.clock_ghz else ""
     spills = sum(1 for r in rows if r["local_bytes"])
     lines = [
         f"# Triton AdamW kernel: {len(rows)} specialisations compiled ahead of time (triton {triton.__version__})",
         "",
         f"Command: `{command}`. Builds with local memory (spills): {spills}. Fused multiply-adds: "
-        f"{sum(r['fma'] for r in rows)} (must be 0: the backends round every product on its own).",
+        f"{sum(r['fma'] for r in rows)} (must be 0: the backends round every product on its own). SASS instructions"
+        f" per element: one pass over the kernel's instructions (no loop; NOP padding left out) over the"
+        f" {ELEMENTS_PER_THREAD} elements each thread updates.",
         "",
-        "| arch | rounding | weight decay | grad | ints | aligned | registers | local bytes | vector loads |",
-        "|---|---|---|---|---|---|---:|---:|---:|",
+        "## The default configurations on sm_90: instructions against bytes",
+        "",
+        "AdamW (decoupled weight decay), bf16 gradient, 32-bit sizes, aligned pointers: what the strategies launch. The"
+        " time of one update of 2^24 elements at the issue rate (132 SMs x 4 warp instructions per clock at"
+        f" {args.clock_ghz or 1.755} GHz, an assumed sustained clock; `DEVICES` in the script) beside the time its"
+        " bytes take at the memory bandwidth (H100 SXM 3.35 TB/s, H200 SXM 4.8 TB/s, as NVIDIA states them); the"
+        " larger bounds the kernel.",
+        "",
+        "| rounding | SASS / element | bytes / element | H100: issue ms | H100: memory ms | H100 bound"
+        " | H200: issue ms | H200: memory ms | H200 bound |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for r in rows:
+        default = (r["arch"], r["weight_decay"], r["grad"], r["ints"], r["aligned"]) == (
+            "sm_90",
+            "decoupled",
+            "bf16",
+            "i32",
+            True,
+        )
+        if not default or r["sass_per_element"] is None:
+            continue
+        nbytes = bytes_per_element(r["grad"], r["rounding"])
+        cells = []
+        for device in DEVICES:
+            issue, memory = predicted(r["sass_per_element"], nbytes, device, clock_ghz=args.clock_ghz)
+            cells.append(f"{issue:.3f} | {memory:.3f} | {'memory' if memory >= issue else '**issue**'}")
+        lines.append(f"| {r['rounding']} | {r['sass_per_element']} | {nbytes:g} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Every specialisation",
+        "",
+        "| arch | rounding | weight decay | grad | ints | aligned | registers | local bytes | vector loads"
+        " | SASS / element |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['arch']} | {r['rounding']} | {r['weight_decay']} | {r['grad']} | {r['ints']} | {r['aligned']} |"
-            f" {r['registers']} | {r['local_bytes']} | {r['vector_loads']} |"
+            f" {r['registers']} | {r['local_bytes']} | {r['vector_loads']} | {r['sass_per_element']} |"
         )
     write_results(args.out, "kernel_resources_quick" if args.quick else "kernel_resources", rows, lines, command)
     return 0
