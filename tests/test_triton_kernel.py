@@ -7,7 +7,10 @@ import torch
 
 from lightning_pure_bf16 import Adam, AdamW
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from lightning_pure_bf16.ops.adamw_triton import _stochastic_round_sum_bits  # noqa: E402
 
 SHAPES = [(6,), (42,), (123,), (431,), (1025,), (33, 129), (0,)]
 CPU_INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
@@ -80,6 +83,41 @@ def test_interpreted_kernel_draws_the_same_random_bits():
     assert torch.equal(results[0], results[1])
     rounded_up = (results[0].double() > 2 / 3).double().mean().item()
     assert 0.1 < rounded_up < 0.9
+
+
+@triton.jit
+def _sum_rounding_kernel(a_ptr, b_ptr, r_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # The Triton kernel's stochastic rounding of an exact sum, applied to given random bits.
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    a = tl.load(a_ptr + offsets, mask=mask, other=0.0)
+    b = tl.load(b_ptr + offsets, mask=mask, other=0.0)
+    r = tl.load(r_ptr + offsets, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    tl.store(out_ptr + offsets, _stochastic_round_sum_bits(a, b, r), mask=mask)
+
+
+def _sum_rounding(a: torch.Tensor, b: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(a.shape, dtype=torch.bfloat16)
+    _sum_rounding_kernel[(triton.cdiv(a.numel(), 1024),)](a, b, bits, out, a.numel(), BLOCK=1024)
+    return out
+
+
+@pytest.mark.skipif(not CPU_INTERPRETED, reason="runs the kernel through the Triton interpreter on CPU")
+def test_the_kernels_sum_rounding_in_32_bit_integers_equals_the_exact_one_at_every_carry_boundary():
+    # The kernel rounds p + delta (and Kahan's remainder) with 32-bit integers only: the same bits as the PyTorch
+    # path's int64 arithmetic on sums whose discarded bits plus random bits land within 2**17 of a carry, across and
+    # below powers of two, with every TwoSum error size, and at the float32 extremes (inf, NaN, subnormals).
+    from lightning_pure_bf16.ops.rounding import stochastic_round_sum_bf16
+    from tests.test_cpu_kernel import _sums_near_every_carry_boundary
+
+    a, b, bits = _sums_near_every_carry_boundary(20_003)
+    extremes = torch.tensor([3.0e38, -3.0e38, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, 2.0**-126])
+    a = torch.cat([a, extremes, extremes.flip(0)])
+    b = torch.cat([b, extremes.flip(0) * 0.75, -extremes * 1e-3])
+    bits = torch.cat([bits, (torch.arange(2 * len(extremes), dtype=torch.int64) * 0x3C6EF372 % (1 << 31)).int()])
+    got, want = _sum_rounding(a, b, bits), stochastic_round_sum_bf16(a, b, bits)
+    assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) >= 2
+    assert torch.equal(got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
 
 
 @pytest.mark.gpu
