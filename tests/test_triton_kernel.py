@@ -103,10 +103,10 @@ def _sum_rounding(a: torch.Tensor, b: torch.Tensor, bits: torch.Tensor) -> torch
 
 
 @pytest.mark.skipif(not CPU_INTERPRETED, reason="runs the kernel through the Triton interpreter on CPU")
-def test_the_kernels_sum_rounding_in_32_bit_integers_equals_the_exact_one_at_every_carry_boundary():
-    # The kernel rounds p + delta (and Kahan's remainder) with 32-bit integers only: the same bits as the PyTorch
-    # path's int64 arithmetic on sums whose discarded bits plus random bits land within 2**17 of a carry, across and
-    # below powers of two, with every TwoSum error size, and at the float32 extremes (inf, NaN, subnormals).
+def test_the_kernels_exact_sum_rounding_equals_the_pytorch_paths_at_every_carry_boundary():
+    # The kernel's stochastic rounding of p + delta (and of Kahan's remainder) with given random bits: the same bits as
+    # the PyTorch path's on sums whose discarded bits plus random bits land within 2**17 of a carry, across and below
+    # powers of two, with every TwoSum error size, and at the float32 extremes (inf, NaN, subnormals).
     from lightning_pure_bf16.ops.rounding import stochastic_round_sum_bf16
     from tests.test_cpu_kernel import _sums_near_every_carry_boundary
 
