@@ -1563,11 +1563,11 @@ def is_persistent_buffer(module: torch.nn.Module, name: str) -> bool:
     return name not in _read(module, "_non_persistent_buffers_set", "the buffers a state dict leaves out")
 
 
-def mark_loaded_parameters(model: torch.nn.Module, names: set[str]) -> None:
-    """Mark ``names`` (of ``model.named_parameters(remove_duplicate=False)``) as loaded, as transformers' own
-    ``from_pretrained`` does: its initialisation skips them."""
+def mark_loaded_parameters(model: torch.nn.Module, missing: set[str]) -> None:
+    """Mark every parameter of ``model`` but the ``missing`` ones (names as ``named_parameters(remove_duplicate=False)``
+    gives them) as loaded, as transformers' own ``from_pretrained`` does: its initialisation skips them."""
     for name, param in model.named_parameters(remove_duplicate=False):
-        if name in names:
+        if name not in missing:
             param._is_hf_initialized = True  # type: ignore[attr-defined]
 
 

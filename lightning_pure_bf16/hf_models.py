@@ -223,9 +223,7 @@ def from_pretrained(
     model.tie_weights()
     loaded = load_pretrained(model, directory, strict=strict)
     missing = set(loaded.missing_keys)
-    _internals.mark_loaded_parameters(
-        model, {name for name, _ in model.named_parameters(remove_duplicate=False)} - missing
-    )
+    _internals.mark_loaded_parameters(model, missing)
     if missing:
         _internals.initialize_partitioned_weights(model)
         model.tie_weights()
