@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,8 +67,20 @@ RESULTS = ROOT / "benchmarks" / "results"
 ARMS = {
     "pure_bf16": "this strategy (Fabric), stochastic rounding",
     "ds_bf16_mixed": "DeepSpeed ZeRO-3 bf16 mixed (what Lightning's DeepSpeedStrategy runs)",
+    "pure_bf16_world_size": "this strategy's checkpoint resumed at another world size: 2 ranks to 1, then 1 to 2",
 }
-PHASES = ("construction", "load pretrained", "setup", "first steps", "save", "save HF layout", "resume", "export")
+WORLD_SIZE_PHASES = ("resume 2 ranks to 1", "resume 1 rank to 2")
+PHASES = (
+    "construction",
+    "load pretrained",
+    "setup",
+    "first steps",
+    "save",
+    "save HF layout",
+    "resume",
+    *WORLD_SIZE_PHASES,
+    "export",
+)
 MB = 10**6
 
 
@@ -140,6 +152,50 @@ def _run_ours(spec: Spec, work: Path, phases: _Phases, shard: str) -> None:
         fabric.load(work / "ours.ckpt", state)
 
 
+def _run_world_size(spec: Spec, work: Path, phases: _Phases, stage: str) -> None:
+    """One launch of the world-size arm: ``source`` (2 ranks: the first steps and a save), ``to1`` (1 rank: that
+    checkpoint loaded, measured, and saved again), ``to2`` (2 ranks: the 1-rank checkpoint loaded, measured). The
+    load is what Lightning's Trainer runs too (both front ends call ``core.load_checkpoint``)."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy, repartition
+
+    readers: list = []
+    opened = repartition.ZeroCheckpoint.__init__
+
+    def record(self, *args, **kwargs) -> None:  # the bytes each rank reads out of the checkpoint's tensors
+        opened(self, *args, **kwargs)
+        readers.append(self)
+
+    repartition.ZeroCheckpoint.__init__ = record
+    fabric = Fabric(accelerator="cpu", devices=spec.world_size, strategy=DeepSpeedPureBF16FabricStrategy())
+    fabric.launch()
+    with fabric.init_module():
+        model = _gpt(spec)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if stage == "source":
+        for x, y in _batches(spec, fabric.device):
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.save(work / "world_size_2.ckpt", state)
+        return
+    source, phase = (
+        ("world_size_2.ckpt", WORLD_SIZE_PHASES[0]) if stage == "to1" else ("world_size_1.ckpt", WORLD_SIZE_PHASES[1])
+    )
+    with phases.phase(phase):
+        fabric.load(work / source, state)
+    # (None where the package does not count them: the releases before the count)
+    read = [getattr(r, "bytes_read", None) for r in readers]
+    phases.rows[-1]["bytes_read"] = None if None in read else sum(read)
+    phases.rows[-1]["checkpoint_bytes"] = sum(f.stat().st_size for f in (work / source / "checkpoint").glob("*.pt"))
+    if stage == "to1":
+        fabric.save(work / "world_size_1.ckpt", state)
+
+
 def _run_deepspeed(spec: Spec, work: Path, phases: _Phases, shard: str) -> None:
     import deepspeed
     import torch
@@ -182,7 +238,10 @@ def worker(arm: str, spec: Spec, work: Path, shard: str) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     phases = _Phases()
-    (_run_ours if arm == "pure_bf16" else _run_deepspeed)(spec, work, phases, shard)
+    if arm.startswith("pure_bf16_world_size:"):
+        _run_world_size(spec, work, phases, arm.split(":")[1])
+    else:
+        (_run_ours if arm == "pure_bf16" else _run_deepspeed)(spec, work, phases, shard)
     rank = int(os.environ["RANK"])
     (work / f"{arm}_rank{rank}.json").write_text(json.dumps(phases.stop()))
 
@@ -221,6 +280,15 @@ def _launch(arm: str, spec: Spec, work: Path, shard: str, timeout_s: float) -> l
             raise RuntimeError(f"{arm} rank {rank} wrote no result:\n{tail}")
         ranks.append(json.loads(path.read_text()))
     return ranks
+
+
+def _launch_world_sizes(spec: Spec, work: Path, shard: str, timeout_s: float) -> list[list[dict]]:
+    """The world-size arm's three launches; per rank of 2, its rows (rank 0 also the 2 -> 1 resume's)."""
+    one = replace(spec, world_size=1)
+    _launch("pure_bf16_world_size:source", spec, work, shard, timeout_s)
+    (to1,) = _launch("pure_bf16_world_size:to1", one, work, shard, timeout_s)
+    to2 = _launch("pure_bf16_world_size:to2", spec, work, shard, timeout_s)
+    return [to1 + to2[0], to2[1]]
 
 
 def _peak_of_command(cmd: list[str]) -> dict:
@@ -287,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{arm}: running ...", flush=True)
             try:
-                ranks = _launch(arm, spec, work, shard, args.timeout)
+                if arm == "pure_bf16_world_size":
+                    ranks = _launch_world_sizes(spec, work, shard, args.timeout)
+                else:
+                    ranks = _launch(arm, spec, work, shard, args.timeout)
             except RuntimeError as err:  # a rank that died (killed for memory, say): said in the report, not hidden
                 print(err)
                 done[arm] = {"failed": str(err).splitlines()[0], "ranks": [], "exports": {}}
@@ -310,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                     [*z2f, str(work / "ours_z2f_5gb"), "--safe_serialization"]
                 )
                 _check_export(work / "ours_export", work / "ours_hf")
-            else:
+            elif arm == "ds_bf16_mixed":
                 exports["export by zero_to_fp32.py"] = _peak_of_command(
                     [
                         sys.executable,
@@ -390,7 +461,7 @@ def _report(args, argv, spec: Spec, shard: str, largest: int, done: dict, stem: 
                     f" {row['peak_bytes'] / 2**30:.2f} | {rise / 2**30:.2f} | {rise / partition:.2f} |"
                     f" {row['seconds']:.1f} |"
                 )
-        for name, row in result["exports"].items():
+        for name, row in result.get("exports", {}).items():
             rows.append({"arm": arm, "phase": name, "rank": "", **row, "params": params})
             lines.append(
                 f"| {arm} | {name} (one process) | | | {row['peak_bytes'] / 2**30:.2f} |"
@@ -399,6 +470,21 @@ def _report(args, argv, spec: Spec, shard: str, largest: int, done: dict, stem: 
         if arm == "ds_bf16_mixed":
             lines.append("| ds_bf16_mixed | load pretrained | | | | | no way into the partitions | |")
     lines += ["", "## The bounds", ""]
+    moved = done.get("pure_bf16_world_size")
+    if moved is not None and "failed" not in moved:
+        for rank, phases in enumerate(moved["ranks"]):
+            for row in (r for r in phases if r["phase"] in WORLD_SIZE_PHASES):
+                rise = row["peak_bytes"] - row["start_bytes"]
+                bound = 2 * largest + 128 * 2**20
+                ranks_after = 1 if "to 1" in row["phase"] else 2
+                share = row["checkpoint_bytes"] / ranks_after
+                read = "not counted" if row["bytes_read"] is None else f"{row['bytes_read'] / 2**20:,.0f} MiB"
+                times = "" if row["bytes_read"] is None else f" ({row['bytes_read'] / share:.2f} x this rank's share)"
+                lines.append(
+                    f"- Rank {rank}, {row['phase']}: rise {rise / 2**20:,.0f} MiB, bound twice the largest tensor +"
+                    f" 128 MiB = {bound / 2**20:,.0f} MiB: {'met' if rise <= bound else 'MISSED'}; read {read} of the"
+                    f" checkpoint's {row['checkpoint_bytes'] / 2**20:,.0f} MiB of state files{times}."
+                )
     ours = done.get("pure_bf16")
     if ours is not None and "failed" not in ours:
         base = 300 * MB

@@ -240,8 +240,9 @@ def validate_checkpoint(
             export and convert pass it; a Lightning resume does not).
         trust_checkpoint: skip the check that no state file needs code to be read (default: False). Only for a
             checkpoint whose writer you trust: reading such a file can run any command.
-        verify_checksums: read every state file whole to check its checksums (default: True; the ranks of a resume
-            share the reading out instead, :func:`lightning_pure_bf16.core.load_checkpoint`).
+        verify_checksums: read every state file whole to check its checksums, and unpickle it weights-only (default:
+            True; the ranks of a resume share both out instead, each file checked by one rank,
+            :func:`lightning_pure_bf16.core.load_checkpoint`).
 
     Returns:
         The directory to load (``path``, or the complete copy an interrupted save left next to it) and its manifest.
@@ -317,9 +318,10 @@ def _manifest_below_latest(directory: Path) -> Path | None:
 
 
 def _check_files(files: list[Path], trust: bool, verify_checksums: bool) -> None:
-    if verify_checksums:
-        for file in files:
-            verify_state_file(file)
+    if not verify_checksums:
+        return
+    for file in files:
+        verify_state_file(file)
     check_state_files(files, trust=trust)
 
 

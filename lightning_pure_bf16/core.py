@@ -58,7 +58,7 @@ from lightning_pure_bf16.repartition import (
     live_layout,
     load_repartitioned,
 )
-from lightning_pure_bf16.safe_load import load_state_file, verify_state_file
+from lightning_pure_bf16.safe_load import check_state_files, load_state_file, verify_state_file
 
 # The precision flags both front ends accept (their defaults, and the explicit one); all mean pure bf16.
 ACCEPTED_PRECISION = ("32-true", "bf16-true")
@@ -611,16 +611,27 @@ def save_checkpoint(
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
 
-    save_staged(filepath, write, world_size=world_size, is_global_zero=is_global_zero, barrier=barrier, **info)
+    # The sub-groups' layout, so a resume at the same world size and layout knows it without reading a rank file.
+    layout = _lists(live_layout(engine.optimizer))
+    save_staged(
+        filepath, write, world_size=world_size, is_global_zero=is_global_zero, barrier=barrier, layout=layout, **info
+    )
 
 
-def _verify_shared(files: list[Path], rank: int, world_size: int, device: torch.device) -> None:
-    """The ranks share out the reading of the checkpoint's files against their checksums (each file is read once in
-    all); a corrupted file found by any rank stops every rank before anything is loaded."""
+def _lists(layout: list[list[tuple[str, int]]]) -> list[list[list[Any]]]:
+    """A layout as the manifest's JSON holds it."""
+    return [[list(entry) for entry in sub] for sub in layout]
+
+
+def _verify_shared(files: list[Path], rank: int, world_size: int, device: torch.device, trust: bool) -> None:
+    """The ranks share out the checks of the checkpoint's files (each file is checked by one rank): its bytes against
+    their checksums, and, unless trusted, that it reads without running code. A bad file found by any rank stops every
+    rank before anything is loaded."""
     error: CheckpointError | None = None
     try:
         for file in files[rank::world_size]:
             verify_state_file(file)
+            check_state_files([file], trust=trust)
     except CheckpointError as err:
         error = err
     if world_size > 1 and torch.distributed.is_initialized():
@@ -628,7 +639,8 @@ def _verify_shared(files: list[Path], rank: int, world_size: int, device: torch.
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         if error is None and found.item():
             raise CheckpointError(
-                "Another rank found a corrupted file in the checkpoint (its error names the file); nothing was loaded."
+                "Another rank found a corrupted file in the checkpoint, or one that needs code to be read (its error"
+                " names the file); nothing was loaded."
             )
     if error is not None:
         raise error
@@ -659,13 +671,16 @@ def load_checkpoint(
     directory, manifest = validate_checkpoint(
         checkpoint_path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint, verify_checksums=False
     )
-    _verify_shared(state_files(directory, manifest), rank, world_size, engine.device)
+    _verify_shared(state_files(directory, manifest), rank, world_size, engine.device, trust_checkpoint)
+    live = _lists(live_layout(engine.optimizer))
     try:
-        saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
-        same_layout = (
-            manifest is not None and saved.world_size == world_size and saved.layout() == live_layout(engine.optimizer)
-        )
+        if manifest is not None and "layout" in manifest:  # written at save since the layout was recorded
+            same_layout = manifest["world_size"] == world_size and manifest["layout"] == live
+        else:
+            saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
+            same_layout = manifest is not None and saved.world_size == world_size and _lists(saved.layout()) == live
         if not same_layout:
+            saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
             loaded = load_repartitioned(
                 saved, engine.optimizer, rank=rank, world_size=world_size, load_optimizer_states=load_optimizer_states
             )

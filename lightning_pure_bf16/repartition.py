@@ -120,6 +120,7 @@ class ZeroCheckpoint:
         self._zero: dict[int, dict[str, Any]] = {}
         self._models: dict[int, dict[str, Any]] = {}
         self._decoded: dict[tuple[int, int, str], torch.Tensor] = {}
+        self.bytes_read = 0  # tensor data read by `stored`
         zero0 = self._zero_state(0)
         count = zero0.get("partition_count")
         if isinstance(count, int) and count != self.world_size:
@@ -148,16 +149,29 @@ class ZeroCheckpoint:
         return tuple(k for k in STATE_KEYS if k in state)
 
     def step(self) -> int | None:
-        """The optimizer step count (the same in every sub-group and rank; checked); ``None`` before any step."""
+        """The optimizer step count (the same in every sub-group; checked in the rank files read so far, rank 0's
+        always); ``None`` before any step."""
         steps = {
             int(torch.as_tensor(st["step"]).item())
-            for rank in range(self.world_size)
+            for rank in sorted({0, *self._zero})
             for sub in range(len(self.sub_groups))
             if "step" in (st := self._inner_state(rank, sub))
         }
         if len(steps) > 1:
             raise RepartitionError(f"'{self.dir}': the sub-groups hold different step counts {sorted(steps)}.")
         return steps.pop() if steps else None
+
+    def stored(self, rank: int, sub_group: int, key: str, start: int, count: int) -> torch.Tensor:
+        """Elements ``[start, start + count)`` of rank ``rank``'s flat partition of ``key`` (``"param"``, a state key,
+        or a block-scale key: ``exp_avg_scale`` indexed by block) as stored (8-bit codes not decoded): a view into the
+        memory-mapped file, counted in :attr:`bytes_read`."""
+        if key == "param":
+            flat = self._zero_state(rank)["fp32_flat_groups"][sub_group]
+        else:
+            flat = self._inner_state(rank, sub_group)[key]
+        piece = flat.reshape(-1).narrow(0, start, count)
+        self.bytes_read += piece.numel() * piece.element_size()
+        return piece
 
     def _flat(self, rank: int, sub_group: int, key: str) -> torch.Tensor:
         """Rank ``rank``'s flat partition of ``key`` (``"param"`` or a state key), decoded to float when 8-bit."""
@@ -309,15 +323,93 @@ def live_layout(zero_optimizer: Any) -> list[list[tuple[str, int]]]:
     return [[(name, numel) for name, numel, _ in sub.params] for sub in _internals.zero3_layout(zero_optimizer)]
 
 
+# Elements of a live partition written at a time (a multiple of ops.quant.QBLOCK): a piece's temporaries, a few bytes
+# per element, stay tens of MB at any model size.
+PIECE = 1 << 22
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Elements of one parameter contiguous in this rank's live partition and in one saved rank's."""
+
+    live: int  # offset in this rank's flat partition of the live sub-group
+    rank: int  # the saved rank that holds them
+    sub_group: int  # their saved sub-group
+    saved: int  # their offset in that rank's flat partition of it
+    count: int
+
+
+def _runs(checkpoint: ZeroCheckpoint, params: list[tuple[str, int, int]], rank: int) -> list[_Run]:
+    """Where every element of this rank's live partition (``(name, numel, partition numel)`` per parameter) is saved;
+    the partition's padding is in no run."""
+    runs, live = [], 0
+    for name, numel, part in params:
+        place = checkpoint.places[name]
+        saved_part = math.ceil(numel / checkpoint.world_size)
+        element, end = rank * part, min((rank + 1) * part, numel)
+        first = element
+        while element < end:
+            saved_rank = element // saved_part
+            stop = min(end, (saved_rank + 1) * saved_part)
+            saved = place.offset + element - saved_rank * saved_part
+            runs.append(_Run(live + element - first, saved_rank, place.sub_group, saved, stop - element))
+            element = stop
+        live += part
+    return runs
+
+
+def _pieces(runs: list[_Run], size: int) -> Iterator[tuple[int, int, list[_Run]]]:
+    """``(start, count, runs)`` for each piece of :data:`PIECE` elements of a live partition of ``size``: the runs
+    clipped to the piece."""
+    i = 0
+    for start in range(0, size, PIECE):
+        end = min(start + PIECE, size)
+        clipped = []
+        while i < len(runs) and runs[i].live < end:
+            run = runs[i]
+            lo, hi = max(run.live, start), min(run.live + run.count, end)
+            clipped.append(_Run(lo, run.rank, run.sub_group, run.saved + lo - run.live, hi - lo))
+            if run.live + run.count > end:
+                break  # the rest of the run is in the next piece
+            i += 1
+        yield start, end - start, clipped
+
+
+def _gathered(
+    checkpoint: ZeroCheckpoint, key: str, start: int, count: int, runs: list[_Run]
+) -> dict[str, torch.Tensor]:
+    """A piece of ``key`` as stored (floats, or 8-bit codes with ``KEY_scale`` the scale of each element, NaN in the
+    padding), from the saved ranks' files."""
+    stored = checkpoint._inner_state(0, 0)[key]
+    out = {key: torch.zeros(count, dtype=stored.dtype)}
+    coded = key in MOMENT_KEYS and not stored.is_floating_point()
+    if coded:
+        out[f"{key}_scale"] = torch.full((count,), float("nan"))
+    for run in runs:
+        here = slice(run.live - start, run.live - start + run.count)
+        out[key][here] = checkpoint.stored(run.rank, run.sub_group, key, run.saved, run.count)
+        if coded:
+            first, last = run.saved // quant.QBLOCK, (run.saved + run.count - 1) // quant.QBLOCK
+            scales = checkpoint.stored(run.rank, run.sub_group, f"{key}_scale", first, last - first + 1)
+            each = scales.float().repeat_interleave(quant.QBLOCK)
+            out[f"{key}_scale"][here] = each.narrow(0, run.saved - first * quant.QBLOCK, run.count)
+    return out
+
+
 @torch.no_grad()
 def load_repartitioned(
     checkpoint: ZeroCheckpoint, zero_optimizer: Any, *, rank: int, world_size: int, load_optimizer_states: bool = True
 ) -> str:
     """Write ``checkpoint`` into this rank's partitions of a live ZeRO-3 optimizer; returns what was loaded, in words.
 
-    Everything is checked before anything is written: every live parameter must be in the checkpoint with its shape,
-    and the param groups must match.
+    Each rank reads only the saved elements of its own partitions (memory-mapped, a piece of :data:`PIECE` elements at
+    a time) and writes them straight into the weights and the optimizer's state buffers
+    (:meth:`~lightning_pure_bf16.AdamW.load_state_range`, which keeps the run's formats: 8-bit moments re-blocked, bit
+    for bit where a block's codes share one scale). Everything is checked before anything is written: every live
+    parameter must be in the checkpoint with its size, and the param groups must match.
     """
+    from lightning_pure_bf16.optim.adamw import AdamW
+
     layout = _internals.zero3_layout(zero_optimizer)
     inner = _internals.zero3_inner_optimizer(zero_optimizer)
     missing = [n for sub in layout for n, _, _ in sub.params if n not in checkpoint.places]
@@ -338,65 +430,60 @@ def load_repartitioned(
             f"The checkpoint '{checkpoint.dir}' has {len(checkpoint.param_groups)} parameter groups, this run's"
             f" optimizer {len(inner.param_groups)}: configure_optimizers must build the same groups."
         )
+    if not isinstance(inner, AdamW):
+        raise _internals.UpstreamChanged(f"ZeRO-3 wraps a {type(inner).__name__}, not this package's AdamW.")
+    masters = _internals.zero3_master_partitions(zero_optimizer)
+    if [m.data_ptr() for m in masters] != [sub.flat.data_ptr() for sub in layout]:
+        raise _internals.UpstreamChanged("ZeRO-3's master partitions are not its bf16 parameter partitions.")
     saved_keys = checkpoint.stored_keys()
     step = checkpoint.step()
     fp32_masters = checkpoint.master_dtype == torch.float32
-    kahan = [g["rounding"] == "kahan" for g in inner.param_groups] if hasattr(inner, "seed") else []
-
-    def slice_of(name: str, key: str, part: int) -> torch.Tensor:
-        full = checkpoint.full(name, key).reshape(-1)
-        padded = torch.nn.functional.pad(full, (0, part * world_size - full.numel()))
-        return padded.narrow(0, rank * part, part)
-
-    states: dict[int, dict[str, Any]] = {}
+    with_states = load_optimizer_states and step is not None
+    inner.wait_for_state_writes()
     with _internals.zero3_partitioned_for_load(zero_optimizer):
-        for index, sub in enumerate(layout):
-            want_comp = load_optimizer_states and bool(kahan) and kahan[sub.group]
-            # The moments as saved, and a remainder where this run keeps one (a saved one is dropped otherwise).
-            keys = [k for k in MOMENT_KEYS if k in saved_keys] + (["kahan_comp"] if want_comp else [])
-            buffers: dict[str, list[torch.Tensor]] = {key: [] for key in keys} if load_optimizer_states else {}
-            offset = 0
-            for name, _, part in sub.params:
-                master = slice_of(name, "param", part)
-                weight = master.to(torch.bfloat16)
-                sub.flat.narrow(0, offset, part).copy_(weight)
-                for key, pieces in buffers.items():
-                    if key in saved_keys:
-                        pieces.append(slice_of(name, key, part))
-                    elif fp32_masters:  # the part of the master the bf16 weight does not hold
-                        pieces.append(master.float() - weight.float())
-                    else:
-                        pieces.append(torch.zeros(part, dtype=torch.float32))
-                offset += part
-            if buffers and step is not None:
-                states[index] = {"step": torch.tensor(step, dtype=torch.int64)}
-                for key, pieces in buffers.items():
-                    value = torch.cat(pieces) if pieces else torch.zeros(0)
-                    states[index][key] = value.to(sub.flat.device)
+        for sub, master in zip(layout, masters):
+            runs = _runs(checkpoint, sub.params, rank)
+            kahan = inner.param_groups[sub.group]["rounding"] == "kahan"
+            for start, count, piece in _pieces(runs, sub.flat.numel()):
+                weights = sub.flat.narrow(0, start, count)
+                weights.zero_()  # the padding
+                for run in piece:
+                    saved = checkpoint.stored(run.rank, run.sub_group, "param", run.saved, run.count)
+                    weights.narrow(0, run.live - start, run.count).copy_(saved)
+                if not with_states:
+                    continue
+                values: dict[str, torch.Tensor] = {}
+                for key in (k for k in MOMENT_KEYS if k in saved_keys):
+                    values.update(_gathered(checkpoint, key, start, count, piece))
+                if kahan and "kahan_comp" in saved_keys:
+                    values.update(_gathered(checkpoint, "kahan_comp", start, count, piece))
+                elif kahan:  # none saved: what the bf16 weight does not hold of an fp32 master, else nothing
+                    comp = values["kahan_comp"] = torch.zeros(count)
+                    for run in piece if fp32_masters else ():
+                        saved = checkpoint.stored(run.rank, run.sub_group, "param", run.saved, run.count)
+                        here = comp.narrow(0, run.live - start, run.count)
+                        here.copy_(saved).sub_(saved.to(torch.bfloat16).float())
+                if values:
+                    inner.load_state_range(master, start, values)
+            if with_states:
+                inner.state[master]["step"] = torch.tensor(step, dtype=torch.int64)
     if not load_optimizer_states:
         return "weights"
+    for ours, saved in zip(inner.param_groups, checkpoint.param_groups):
+        ours.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in saved})
     skipped = int(checkpoint.extra["skipped_steps"]) if checkpoint.extra else 0
-    with _internals.zero3_inner_params_in_groups(zero_optimizer):
-        flats = [p for g in inner.param_groups for p in g["params"]]
-        index_of = {id(p): i for i, p in enumerate(flats)}
-        if [id(sub_flat) for sub_flat in _internals.zero3_master_partitions(zero_optimizer)] != [id(p) for p in flats]:
-            raise _internals.UpstreamChanged(
-                "ZeRO-3's inner optimizer groups do not hold the sub-group partitions in sub-group order."
-            )
-        groups = []
-        for ours, saved in zip(inner.param_groups, checkpoint.param_groups):
-            group = {k: v for k, v in ours.items() if k != "params"}
-            group.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in saved})
-            group["params"] = [index_of[id(p)] for p in ours["params"]]
-            groups.append(group)
-        sd: dict[str, Any] = {"state": states, "param_groups": groups}
-        if hasattr(inner, "seed"):
-            sd[_EXTRA_KEY] = {"seed": inner.seed, "skipped_steps": skipped, "next_stream": 0}
-        inner.load_state_dict(sd)
-    loaded = ["weights"] + [k for k in STATE_KEYS if any(k in st for st in states.values())]
-    if fp32_masters and "kahan_comp" in loaded:
+    inner.skipped_steps = skipped
+    loaded = ["weights"]
+    if with_states:
+        kept = any(g["rounding"] == "kahan" for g in inner.param_groups)
+        loaded += [k for k in MOMENT_KEYS if k in saved_keys] + (["kahan_comp"] if kept else [])
+    if fp32_masters and "kahan_comp" in loaded and "kahan_comp" not in saved_keys:
         loaded[-1] = "kahan_comp (from the fp32 masters)"
-    return ", ".join(loaded) + f", step {step or 0}, {skipped} skipped steps"
+    total = sum(f.stat().st_size for f in checkpoint._optim_files)
+    return (
+        ", ".join(loaded) + f", step {step or 0}, {skipped} skipped steps; rank {rank} read"
+        f" {checkpoint.bytes_read:,} bytes of the {total:,} in the optimizer state files"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ consolidation

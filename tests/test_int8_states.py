@@ -184,6 +184,54 @@ def test_bf16_states_load_into_int8_ones_and_not_back():
         AdamW([p]).load_state_dict(int8.state_dict())
 
 
+@pytest.mark.parametrize("config", CONFIGS[:4], ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_states_loaded_range_by_range_equal_the_state_dict_loaded_whole(config):
+    # Moments and remainder in bf16 (as a bf16 checkpoint holds them), written a few blocks at a time into the run's
+    # formats: the bytes a whole load_state_dict writes.
+    opt, p = _run((1000,), "auto", steps=2)
+    floats = {k: v.reshape(-1).bfloat16() for k, v in opt.dequantized_state(p).items()}
+    if config.get("rounding") == "kahan":
+        floats["kahan_comp"] = (torch.randn(1000) * quant.residual_unit(p.detach()) * 100).bfloat16()
+    whole_p, ranges_p = p.detach().clone().requires_grad_(), p.detach().clone().requires_grad_()
+    whole, ranges = AdamW([whole_p], seed=5, **config), AdamW([ranges_p], seed=5, **config)
+    sd = opt.state_dict()
+    sd["state"][0] = {"step": sd["state"][0]["step"], "stream": 0, **{k: v.clone() for k, v in floats.items()}}
+    sd["pure_bf16"]["seed"] = 5
+    whole.load_state_dict(sd)
+    ranges.init_state(ranges_p, ranges.param_groups[0])
+    for start in range(0, 1000, 3 * quant.QBLOCK):
+        ranges.load_state_range(ranges_p, start, {k: v[start : start + 3 * quant.QBLOCK] for k, v in floats.items()})
+    for key, value in whole.state[whole_p].items():
+        if isinstance(value, torch.Tensor) and key != "step":
+            assert torch.equal(value, ranges.state[ranges_p][key]), key
+    if config["moments"] == "int8":
+        with pytest.raises(ValueError, match="whole blocks of 128"):
+            ranges.load_state_range(ranges_p, 5, {k: v[5:10] for k, v in floats.items()})
+
+
+def test_reblocking_keeps_every_block_whose_codes_share_a_scale():
+    # A partition's codes moved by 37 elements (a parameter starting elsewhere in a re-partitioned flat partition):
+    # each new block spans two old ones. Blocks whose elements share one scale keep codes and scale bit for bit; the
+    # others are re-encoded within one level; padding (no scale, NaN) joins any block.
+    n, shift = 10 * quant.QBLOCK, 37
+    x = torch.randn(n) * torch.logspace(-3, 0, n)
+    scales = quant.block_scales(x)
+    scales[4] = scales[5]  # old blocks 4 and 5 share a scale: new block 5 (elements 640..767 - 37) keeps its codes
+    codes = quant.encode_m(x, scales, _words(n, 1))
+    each = torch.cat([torch.full((shift,), float("nan")), scales.float().repeat_interleave(quant.QBLOCK)])
+    moved = torch.cat([torch.zeros(shift, dtype=torch.int8), codes])
+    new_codes, new_scales = quant.reblock(moved, each, second=False, bits=_words(n + shift, 2))
+    assert torch.equal(new_codes[: quant.QBLOCK], moved[: quant.QBLOCK])  # padding and old block 0
+    assert new_scales[0] == scales[0]
+    assert torch.equal(new_codes[5 * quant.QBLOCK : 6 * quant.QBLOCK], moved[5 * quant.QBLOCK : 6 * quant.QBLOCK])
+    assert new_scales[5] == scales[5]
+    before = quant.decode_m(codes, scales)
+    after = quant.decode_m(new_codes, new_scales)[shift:]
+    level = new_scales.float().repeat_interleave(quant.QBLOCK)[shift : shift + n] * 255 / 127**2
+    assert ((after - before).abs() <= level).all()
+    assert not torch.equal(after, before)
+
+
 def test_bad_formats_are_refused():
     p = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ValueError, match="moments='int4'"):

@@ -4,6 +4,7 @@ of a save, the manifest's format."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -184,6 +185,13 @@ def test_the_log_says_the_checkpoint_was_repartitioned(continued):
     _, log = continued[3]
     assert "re-partitioned the pure bf16 checkpoint" in log and "written by 2 rank(s)" in log and "to 3 rank(s)" in log
     assert "exp_avg, exp_avg_sq, kahan_comp, step 7, 1 skipped steps" in log
+    # Each rank reads its own slices: rank 0 of 3 about a third of what 2 ranks saved (no whole tensor, no other rank's
+    # files), where the rank of the 2 -> 1 hop reads every weight and state.
+    read, total = (
+        int(x.replace(",", "")) for x in re.search(r"rank 0 read ([\d,]+) bytes of the ([\d,]+)", log).groups()
+    )
+    one_read = int(re.search(r"rank 0 read ([\d,]+) bytes", continued[1][1]).group(1).replace(",", ""))
+    assert 0.25 * one_read <= read <= 0.4 * one_read <= 0.4 * total
 
 
 def test_repartition_into_state_files(chain):

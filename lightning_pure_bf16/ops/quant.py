@@ -114,6 +114,32 @@ def decode_v(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _expand(scales, codes.numel()) * _level(codes.to(torch.float32), V_LEVELS, 4)
 
 
+def reblock(
+    codes: torch.Tensor, scales: torch.Tensor, *, second: bool, bits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit moment codes each written under its own scale (float32, one per element: NaN where an element has none,
+    its code 0, as a partition's padding), in blocks of :data:`QBLOCK` from the first element: the codes and one bf16
+    scale per block. A block whose elements share one scale keeps its codes and that scale, bit for bit; any other
+    block is decoded and encoded again under its own scale (stochastically, ``bits`` one random word per element).
+    ``second``: the codes are the second moment's (uint8), else the first's (int8)."""
+    n = codes.numel()
+    blocks = scale_blocks(n)
+    per_block = torch.nn.functional.pad(scales.float(), (0, blocks * QBLOCK - n), value=float("nan")).view(blocks, -1)
+    hi = per_block.nan_to_num(nan=-1.0).amax(dim=1)
+    lo = per_block.nan_to_num(nan=float("inf")).amin(dim=1)
+    kept = (hi == lo) | (hi < 0)  # one scale, or none (every element padding)
+    kept_scales = hi.clamp(min=0).to(torch.bfloat16)
+    if bool(kept.all()):
+        return codes, kept_scales
+    unit = torch.ones(blocks, dtype=torch.bfloat16, device=codes.device)
+    own = scales.float().nan_to_num(nan=0.0)
+    values = (decode_v(codes, unit) if second else decode_m(codes, unit)) * own
+    new_scales = block_scales(values)
+    encoded = (encode_v if second else encode_m)(values, new_scales, bits)
+    keep = _expand(kept.to(torch.bfloat16), n).bool()
+    return torch.where(keep, codes, encoded), torch.where(kept, kept_scales, new_scales)
+
+
 def residual_unit(p: torch.Tensor) -> torch.Tensor:
     """1/256 of the bf16 spacing of each bf16 ``p`` (float32, a power of two): the unit of the int8 remainder."""
     e = torch.clamp((p.view(torch.int16).to(torch.int32) >> 7) & 0xFF, min=1)
@@ -150,6 +176,7 @@ __all__ = [
     "encode_m",
     "encode_residual",
     "encode_v",
+    "reblock",
     "residual_unit",
     "scale_blocks",
 ]

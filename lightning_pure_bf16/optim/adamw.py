@@ -605,6 +605,65 @@ class AdamW(Optimizer):
         return {k: v.reshape(p.shape) for k, v in out.items()}
 
     @torch.no_grad()
+    def load_state_range(self, p: torch.Tensor, start: int, values: dict[str, torch.Tensor]) -> None:
+        """Write elements ``[start, start + n)`` of the state buffers of ``p`` (a plain tensor whose state exists,
+        :meth:`init_state`) from ``values``, keyed as the buffers (``exp_avg``, ``exp_avg_sq``, ``kahan_comp``), each
+        1-D of ``n`` elements in any format; what it reads is one range, what it writes goes straight into the
+        buffers (memory or files), so a checkpoint of any size loads in pieces:
+
+        - floats (bf16, float32): a bf16 buffer takes them rounded to nearest; 8-bit moments encode them in their own
+          blocks of this range; an 8-bit remainder encodes them against the weight ``p`` holds now. Encodings draw the
+          noise of the tensor's stream at step 0, as :meth:`load_state_dict` does, whatever the range.
+        - 8-bit moment codes with ``exp_avg_scale``/``exp_avg_sq_scale`` one per element (float32, the scale each code
+          was written under; NaN where none: its code 0): re-blocked (:func:`ops.quant.reblock`), a block whose codes
+          share a scale kept bit for bit.
+        - an 8-bit remainder's codes: copied (its unit is its weight's spacing, the same for the same weight).
+
+        A range of 8-bit moments starts on a block (a multiple of ``QBLOCK`` elements) and ends on one or at the end.
+        """
+        state = self.state[p]
+        seed, offset = self._noise(p)
+        n = next(v.numel() for k, v in values.items() if k in _BUFFER_KEYS)
+
+        def bits(buffer: Buffer) -> torch.Tensor:  # drawn only for what is encoded
+            index = torch.arange(n, dtype=torch.int32, device=p.device)
+            return random_bits(stream_key(seed, state["stream"], 0, buffer), offset + start, index)
+
+        for key in _BUFFER_KEYS:
+            if key not in values:
+                continue
+            value, target = values[key].reshape(-1).to(p.device), state[key].view(-1)
+            weight = p.detach().reshape(-1).narrow(0, start, n)
+            if key == "kahan_comp" and target.is_floating_point() != value.is_floating_point():
+                if value.is_floating_point():
+                    value = quant.encode_residual(value.float(), weight, bits(Buffer.PARAM))
+                else:
+                    value = quant.decode_residual(value, weight)
+            if target.is_floating_point() or key == "kahan_comp":
+                if not value.is_floating_point() and key != "kahan_comp":  # 8-bit codes into a bf16 buffer
+                    unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=p.device)
+                    decode = quant.decode_v if key == "exp_avg_sq" else quant.decode_m
+                    value = decode(value, unit) * values[f"{key}_scale"].reshape(-1).to(p.device).nan_to_num(nan=0.0)
+                target.narrow(0, start, n).copy_(value)
+            else:
+                if start % quant.QBLOCK or (n % quant.QBLOCK and start + n != target.numel()):
+                    raise ValueError(
+                        f"load_state_range: 8-bit moments are written in whole blocks of {quant.QBLOCK} elements; the"
+                        f" range [{start}, {start + n}) of {target.numel()} does not start and end on one."
+                    )
+                second = key == "exp_avg_sq"
+                buffer = Buffer.EXP_AVG_SQ if second else Buffer.EXP_AVG
+                if value.is_floating_point():
+                    value = value.float()
+                    scales = quant.block_scales(value)
+                    codes = (quant.encode_v if second else quant.encode_m)(value, scales, bits(buffer))
+                else:
+                    own = values[f"{key}_scale"].reshape(-1).to(p.device)
+                    codes, scales = quant.reblock(value, own, second=second, bits=bits(buffer))
+                target.narrow(0, start, n).copy_(codes)
+                state[f"{key}_scale"].narrow(0, start // quant.QBLOCK, scales.numel()).copy_(scales)
+
+    @torch.no_grad()
     def update_slice(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, start: int) -> None:
         """Apply elements ``[start, start + grad.numel())`` of the next step of the flat tensor ``p`` now, with
         ``grad`` as their gradient (gradient release: each parameter's slice of a ZeRO-3 partition is updated as soon
