@@ -133,7 +133,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_STAGE3, "_pre_step", "method", "the bookkeeping step of gradient release", ("self",)),
     PrivateName(_STAGE3, "_partition_all_parameters", "method", "the bookkeeping step of gradient release", ("self",)),
     PrivateName(_STAGE3, "_post_step", "method", "the bookkeeping step of gradient release", ("self", "timer_names")),
-    PrivateName(_STAGE3, "overflow", "attribute", "the bookkeeping step of gradient release reports no overflow"),
+    PrivateName(_STAGE3, "overflow", "attribute", "whether a step was skipped; gradient release's step reports none"),
     PrivateName(_STAGE3, "_global_grad_norm", "attribute", "the bookkeeping step of gradient release sets it"),
     PrivateName(_STAGE3, "param_names", "attribute", "each parameter's name (repartition)"),
     PrivateName(_STAGE3, "clip_grad", "attribute", "the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)"),
@@ -1066,6 +1066,11 @@ def zero3_inner_params_in_groups(zero_optimizer: Any) -> Iterator[None]:
         yield
     finally:
         _read(zero_optimizer, "_clear_fp32_optimizer_param_groups", "the inner optimizer's groups emptied")()
+
+
+def zero3_step_skipped(zero_optimizer: Any) -> bool:
+    """Whether ZeRO-3's last step skipped its update (an inf/NaN gradient), the flag its engine reads after the step."""
+    return bool(_read(zero_optimizer, "overflow", "the skipped-step flag the engine reads"))
 
 
 def zero3_set_clip(zero_optimizer: Any, max_norm: float) -> None:

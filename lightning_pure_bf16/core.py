@@ -14,7 +14,6 @@ import contextlib
 import functools
 import os
 import shutil
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -445,23 +444,21 @@ def after_engine_setup(
     *,
     gradient_release: bool = False,
     gather_cache: str = "auto",
-) -> PeakMeter:
-    """Allocate every sub-group's optimizer state now (a shortage shows at setup), give the step views of the gradient
-    partition instead of copies, let the gradient norm read it in pieces, install gradient release if asked (which
-    frees the gradient partition), gather the next layer ahead with ``gather_cache="next"`` (and, with ``"auto"``,
-    where the first step leaves room for it), and log the memory per parameter.
-
-    Returns:
-        A meter of the peak memory from now on (see :func:`peak_memory`).
-    """
+) -> EngineRun:
+    """Set a new engine up for pure bf16 and return what the package keeps for it (:class:`EngineRun`, also
+    ``engine.pure_bf16``): every sub-group's optimizer state allocated now (a shortage shows at setup), the step given
+    views of the gradient partition instead of copies and a gradient norm read in pieces, gradient release if asked
+    (which frees the gradient partition), the next layer gathered ahead with ``gather_cache="next"`` (and, with
+    ``"auto"``, where the first step leaves room for it), and the memory per parameter logged."""
     init_zero3_optimizer_state(engine.optimizer)
     _internals.reduce_full_buckets_at_once(engine.optimizer)
     if gather_cache == "next":
         _internals.prefetch_next_module(engine.optimizer)
+    release = None
     if gradient_release:
         # ZeRO-3's step then updates nothing: the step's gradient views and norm are not installed (they would keep
         # a reference to the gradient partition that release frees).
-        _RELEASES[engine.optimizer] = GradientRelease(engine.optimizer, strategy_name)
+        release = GradientRelease(engine.optimizer, strategy_name)
     else:
         _internals.view_sub_group_gradients(engine.optimizer)
         _internals.gradient_norm_in_pieces(engine.optimizer)
@@ -476,10 +473,84 @@ def after_engine_setup(
             f" rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory there."
         )
     meter = PeakMeter(device)
-    if gather_cache == "auto":  # after release, which replaces ZeRO-3's step that this wraps
-        NextLayerIfItFits(engine, meter, strategy_name).install()
+    gather = NextLayerIfItFits(engine, meter, strategy_name) if gather_cache == "auto" else None
+    run = EngineRun(engine, strategy_name, meter, release, gather)
     meter.reset()
-    return meter
+    return run
+
+
+class EngineRun:
+    """What this package keeps for one DeepSpeed engine, made by :func:`after_engine_setup` and held the same way by
+    every front end (``engine.pure_bf16``): the gradient release, the gather policy, the peak meter, and the one wrap
+    of ZeRO-3's step, after which the gather policy decides (once) and a step ZeRO-3 skipped on an inf/NaN gradient is
+    counted in the pure-bf16 optimizer and reported.
+
+    Attributes:
+        release: the gradient release installed on the engine, or ``None``.
+        gather: ``gather_cache="auto"``'s policy, or ``None``.
+        meter: the peak memory since setup.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        strategy_name: str,
+        meter: PeakMeter,
+        release: GradientRelease | None,
+        gather: NextLayerIfItFits | None,
+    ) -> None:
+        self.engine, self.strategy_name, self.meter = engine, strategy_name, meter
+        self.release, self.gather = release, gather
+        if gather is not None:
+            gather.install()
+        zero_optimizer = engine.optimizer
+        step = zero_optimizer.step  # gradient release's bookkeeping step, where release replaced it
+
+        def step_and_account(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            self._after_step()
+            return out
+
+        zero_optimizer.step = step_and_account
+        self.optimizer.overflow = False  # DeepSpeed's ZeRO flag for a skipped step, read by Accelerate
+        engine.pure_bf16 = self
+
+    @property
+    def optimizer(self) -> AdamW:
+        """The pure-bf16 optimizer inside ZeRO-3's."""
+        return inner_optimizer(self.engine)
+
+    def _after_step(self) -> None:
+        if self.gather is not None:
+            self.gather.after_step()
+        skipped = _internals.zero3_step_skipped(self.engine.optimizer)
+        optimizer = self.optimizer
+        optimizer.overflow = skipped
+        if skipped:
+            optimizer.record_skipped_step()
+            rank_zero_warn(
+                f"{self.strategy_name}: a gradient was inf/NaN, the step was skipped on every rank"
+                f" ({optimizer.skipped_steps} skipped so far)."
+            )
+
+    def memory_report(self) -> dict[str, float]:
+        """Model-state bytes per parameter on this rank (see :func:`memory_report`)."""
+        return memory_report(self.engine)
+
+    def peak_memory(self) -> dict[str, Any] | None:
+        """The peak memory of this rank since setup beside its model state
+        (:func:`lightning_pure_bf16.memory.peak_report`); ``None`` where no peak can be measured."""
+        return peak_report(self.meter, memory_report(self.engine))
+
+    def log_peak_memory(self) -> None:
+        """The end-of-fit line: rank 0's measured peak beside its model state."""
+        rank_zero_info(f"{self.strategy_name}: memory of rank 0 during the fit: " + format_peak(self.peak_memory()))
+
+
+def engine_run(engine: Any) -> EngineRun | None:
+    """What the package keeps for ``engine`` (:class:`EngineRun`), or ``None`` for an engine it did not set up."""
+    run = getattr(engine, "pure_bf16", None)
+    return run if isinstance(run, EngineRun) else None
 
 
 class NextLayerIfItFits:
@@ -502,22 +573,14 @@ class NextLayerIfItFits:
         self.decided = False
 
     def install(self) -> None:
-        """Gather ahead on this engine while :attr:`on`, and decide it after the first optimizer step."""
+        """Gather ahead on this engine while :attr:`on` (decided by :meth:`after_step`)."""
         _internals.prefetch_next_module(self.engine.optimizer, active=lambda: self.on)
-        self.decide_after_the_first_step()
 
-    def decide_after_the_first_step(self) -> None:
-        zero_optimizer = self.engine.optimizer
-        step = zero_optimizer.step
-
-        def step_then_decide(*args: Any, **kwargs: Any) -> Any:
-            out = step(*args, **kwargs)
-            if not self.decided:
-                self.decided = True
-                self.on = self.decide()
-            return out
-
-        zero_optimizer.step = step_then_decide
+    def after_step(self) -> None:
+        """After each optimizer step: the first one decides."""
+        if not self.decided:
+            self.decided = True
+            self.on = self.decide()
 
     def decide(self) -> bool:
         device = self.meter.device
@@ -567,24 +630,10 @@ def _reduce(value: float, op: str, device: torch.device) -> float:
     return tensor.item()
 
 
-_RELEASES: weakref.WeakKeyDictionary[Any, GradientRelease] = weakref.WeakKeyDictionary()
-
-
 def gradient_release(engine: Any) -> GradientRelease | None:
-    """The gradient release installed on this engine's ZeRO-3 optimizer, if any."""
-    return _RELEASES.get(engine.optimizer)
-
-
-def peak_memory(engine: Any, meter: PeakMeter | None) -> dict[str, Any] | None:
-    """The peak memory of this rank since setup beside its model state
-    (:func:`lightning_pure_bf16.memory.peak_report`); ``None`` before setup or where no peak can be measured."""
-    return peak_report(meter, memory_report(engine)) if meter is not None else None
-
-
-def log_peak_memory(engine: Any, meter: PeakMeter | None, strategy_name: str) -> None:
-    """The end-of-fit line: rank 0's measured peak beside its model state."""
-    if meter is not None:
-        rank_zero_info(f"{strategy_name}: memory of rank 0 during the fit: " + format_peak(peak_memory(engine, meter)))
+    """The gradient release installed on this engine, if any."""
+    run = engine_run(engine)
+    return run.release if run is not None else None
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
@@ -719,33 +768,6 @@ def load_checkpoint(
     return saved.client_state(), saved
 
 
-# ------------------------------------------------------------------------------------------------- skipped steps
-class SkipCounter:
-    """Follows the engine's count of steps ZeRO-3 skipped on inf/NaN and records each in the pure-bf16 optimizer."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def sync(self, engine: Any) -> None:
-        """Take the engine's count as seen (after a checkpoint is loaded)."""
-        self.seen = _internals.engine_skipped_steps(engine)
-
-    def update(self, engine: Any, strategy_name: str) -> int:
-        """After a step: record and warn about newly skipped steps; returns how many there were."""
-        skipped = _internals.engine_skipped_steps(engine)
-        new = skipped - self.seen
-        if new > 0:
-            optimizer = inner_optimizer(engine)
-            for _ in range(new):
-                optimizer.record_skipped_step()
-            self.seen = skipped
-            rank_zero_warn(
-                f"{strategy_name}: a gradient was inf/NaN, the step was skipped on every rank"
-                f" ({optimizer.skipped_steps} skipped so far)."
-            )
-        return max(new, 0)
-
-
 def check_zero3_arguments(who: str, stage: int, kwargs: Mapping[str, Any]) -> None:
     """Refuse front-end arguments that contradict pure bf16 on ZeRO-3 (a stage, offloading, ZeRO off)."""
     if stage != 3:
@@ -765,7 +787,7 @@ __all__ = [
     "PRESETS",
     "check_zero3_arguments",
     "PureBF16Settings",
-    "SkipCounter",
+    "EngineRun",
     "after_engine_setup",
     "on_cpu",
     "process_group_destroyed_at_exit",
@@ -780,6 +802,7 @@ __all__ = [
     "inner_optimizer",
     "load_checkpoint",
     "memory_report",
+    "engine_run",
     "read_latest_tag",
     "save_checkpoint",
     "write_latest_tag",

@@ -241,51 +241,21 @@ def initialize(
             **kwargs,
         )
     device = torch.device("cpu") if on_cpu else torch.device("cuda", local_rank)
-    meter = core.after_engine_setup(engine, NAME, device, gradient_release=gradient_release, gather_cache=gather_cache)
-    skips = core.SkipCounter()
-    skips.sync(engine)
-    step = engine.step
-
-    # DeepSpeed's ZeRO optimizers' flag for "this step was skipped", read by Accelerate (`step_was_skipped`) and so
-    # by the Hugging Face Trainer, which then leaves its scheduler where it was.
-    optimizer.overflow = False
-
-    def step_and_count(*step_args: Any, **step_kwargs: Any) -> Any:
-        out = step(*step_args, **step_kwargs)
-        optimizer.overflow = skips.update(engine, NAME) > 0
-        return out
-
-    engine.step = step_and_count  # per engine: a step ZeRO-3 skipped on inf/NaN is counted and warned about
-    engine.pure_bf16 = _Handle(engine, meter, skips)
+    # Held on the engine (`engine.pure_bf16`): a step ZeRO-3 skipped on inf/NaN is counted, warned about and flagged
+    # as `optimizer.overflow` (DeepSpeed's ZeRO optimizers' flag, read by Accelerate's `step_was_skipped` and so by the
+    # Hugging Face Trainer, which then leaves its scheduler where it was).
+    core.after_engine_setup(engine, NAME, device, gradient_release=gradient_release, gather_cache=gather_cache)
     _route_checkpoint_methods(engine, trust_checkpoint=trust_checkpoint)
     return engine, optimizer, loader, scheduler
 
 
-class _Handle:
-    """What the front end keeps on the engine (``engine.pure_bf16``): the memory report, the measured peak, skips."""
-
-    def __init__(self, engine: Any, meter: Any, skips: core.SkipCounter) -> None:
-        self._engine, self._meter, self._skips = engine, meter, skips
-
-    def memory_report(self) -> dict[str, float]:
-        """Model-state bytes per parameter on this rank (see ``DeepSpeedPureBF16Strategy.memory_report``)."""
-        return core.memory_report(self._engine)
-
-    def peak_memory(self) -> dict[str, Any] | None:
-        """This rank's measured peak since setup (see ``DeepSpeedPureBF16Strategy.peak_memory``)."""
-        return core.peak_memory(self._engine, self._meter)
-
-    def resync_skips(self) -> None:
-        self._skips.sync(self._engine)
-
-
-def _handle(engine: Any, what: str) -> _Handle:
-    handle = getattr(engine, "pure_bf16", None)
-    if not isinstance(handle, _Handle):
+def _handle(engine: Any, what: str) -> core.EngineRun:
+    run = core.engine_run(engine)
+    if run is None:
         raise ValueError(
             f"`{NAME}.{what}` needs an engine made by `{WHO}`; this one was not (got {type(engine).__name__})."
         )
-    return handle
+    return run
 
 
 def save_checkpoint(
@@ -330,7 +300,7 @@ def load_checkpoint(
     """
     import torch.distributed as dist
 
-    handle = _handle(engine, "load_checkpoint")
+    _handle(engine, "load_checkpoint")
     client_state, _ = core.load_checkpoint(
         engine,
         path,
@@ -342,7 +312,6 @@ def load_checkpoint(
         load_lr_scheduler_states=load_lr_scheduler_states,
         trust_checkpoint=trust_checkpoint,
     )
-    handle.resync_skips()
     return client_state
 
 

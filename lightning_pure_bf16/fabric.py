@@ -139,8 +139,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         # apply to every step before the first such call (and not after it).
         self.config.setdefault("gradient_clipping", 0.0)
         self._backward_sync_control = _EveryBackwardReduces()
-        self._skips = core.SkipCounter()
-        self._peak_meter: core.PeakMeter | None = None
+        self._run: core.EngineRun | None = None
         self._max_norm: float | None = None
 
     @property
@@ -233,14 +232,13 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         prepare_for_zero3(optimizer, base_seed=self.optimizer_options.seed, global_rank=self.global_rank)
         self._deepspeed_engine, _, scheduler = self._initialize_engine(module, optimizer, scheduler)
         self._set_deepspeed_activation_checkpointing()
-        self._peak_meter = core.after_engine_setup(
+        self._run = core.after_engine_setup(
             self._deepspeed_engine,
             self.strategy_name,
             self.root_device,
             gradient_release=self.settings.gradient_release,
             gather_cache=self.settings.gather_cache,
         )
-        self._skips.sync(self._deepspeed_engine)
         # The pure-bf16 optimizer itself: a torch optimizer (schedulers, param_groups), whose `step` through Fabric's
         # wrapper steps the engine.
         return self._deepspeed_engine, [optimizer], scheduler
@@ -267,7 +265,6 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             if self._max_norm is not None:
                 _internals.zero3_set_clip(self._deepspeed_engine.optimizer, self._config_clip())
                 self._max_norm = None
-        self._skips.update(self._deepspeed_engine, self.strategy_name)
         return output
 
     def _config_clip(self) -> float:
@@ -367,7 +364,6 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             strategy_name=self.strategy_name,
             trust_checkpoint=weights_only is False,
         )
-        self._skips.sync(engine)
         for key in list(client_state):
             if key not in state or key in ("optimizer", "lr_scheduler"):
                 continue
@@ -415,7 +411,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     def peak_memory(self) -> dict[str, Any] | None:
         """This rank's peak memory since ``fabric.setup``, measured, beside its model state (see
         :meth:`lightning_pure_bf16.DeepSpeedPureBF16Strategy.peak_memory`)."""
-        return core.peak_memory(self._deepspeed_engine, self._peak_meter)
+        return self._run.peak_memory() if self._run is not None else None
 
 
 __all__ = ["DeepSpeedPureBF16FabricStrategy"]

@@ -411,7 +411,7 @@ def load_repartitioned(
     from lightning_pure_bf16.optim.adamw import AdamW
 
     layout = _internals.zero3_layout(zero_optimizer)
-    inner = _internals.zero3_inner_optimizer(zero_optimizer)
+    optimizer = _internals.zero3_inner_optimizer(zero_optimizer)
     missing = [n for sub in layout for n, _, _ in sub.params if n not in checkpoint.places]
     if missing:
         raise RepartitionError(
@@ -425,13 +425,13 @@ def load_repartitioned(
                     f"Parameter {name!r} has {numel} elements here and {checkpoint.places[name].numel} in the"
                     f" checkpoint '{checkpoint.dir}': it was saved from another model."
                 )
-    if load_optimizer_states and len(checkpoint.param_groups) != len(inner.param_groups):
+    if load_optimizer_states and len(checkpoint.param_groups) != len(optimizer.param_groups):
         raise RepartitionError(
             f"The checkpoint '{checkpoint.dir}' has {len(checkpoint.param_groups)} parameter groups, this run's"
-            f" optimizer {len(inner.param_groups)}: configure_optimizers must build the same groups."
+            f" optimizer {len(optimizer.param_groups)}: configure_optimizers must build the same groups."
         )
-    if not isinstance(inner, AdamW):
-        raise _internals.UpstreamChanged(f"ZeRO-3 wraps a {type(inner).__name__}, not this package's AdamW.")
+    if not isinstance(optimizer, AdamW):
+        raise _internals.UpstreamChanged(f"ZeRO-3 wraps a {type(optimizer).__name__}, not this package's AdamW.")
     masters = _internals.zero3_master_partitions(zero_optimizer)
     if [m.data_ptr() for m in masters] != [sub.flat.data_ptr() for sub in layout]:
         raise _internals.UpstreamChanged("ZeRO-3's master partitions are not its bf16 parameter partitions.")
@@ -439,11 +439,11 @@ def load_repartitioned(
     step = checkpoint.step()
     fp32_masters = checkpoint.master_dtype == torch.float32
     with_states = load_optimizer_states and step is not None
-    inner.wait_for_state_writes()
+    optimizer.wait_for_state_writes()
     with _internals.zero3_partitioned_for_load(zero_optimizer):
         for sub, master in zip(layout, masters):
             runs = _runs(checkpoint, sub.params, rank)
-            kahan = inner.param_groups[sub.group]["rounding"] == "kahan"
+            kahan = optimizer.param_groups[sub.group]["rounding"] == "kahan"
             for start, count, piece in _pieces(runs, sub.flat.numel()):
                 weights = sub.flat.narrow(0, start, count)
                 weights.zero_()  # the padding
@@ -464,18 +464,18 @@ def load_repartitioned(
                         here = comp.narrow(0, run.live - start, run.count)
                         here.copy_(saved).sub_(saved.to(torch.bfloat16).float())
                 if values:
-                    inner.load_state_range(master, start, values)
+                    optimizer.load_state_range(master, start, values)
             if with_states:
-                inner.state[master]["step"] = torch.tensor(step, dtype=torch.int64)
+                optimizer.state[master]["step"] = torch.tensor(step, dtype=torch.int64)
     if not load_optimizer_states:
         return "weights"
-    for ours, saved in zip(inner.param_groups, checkpoint.param_groups):
+    for ours, saved in zip(optimizer.param_groups, checkpoint.param_groups):
         ours.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in saved})
     skipped = int(checkpoint.extra["skipped_steps"]) if checkpoint.extra else 0
-    inner.skipped_steps = skipped
+    optimizer.skipped_steps = skipped
     loaded = ["weights"]
     if with_states:
-        kept = any(g["rounding"] == "kahan" for g in inner.param_groups)
+        kept = any(g["rounding"] == "kahan" for g in optimizer.param_groups)
         loaded += [k for k in MOMENT_KEYS if k in saved_keys] + (["kahan_comp"] if kept else [])
     if fp32_masters and "kahan_comp" in loaded and "kahan_comp" not in saved_keys:
         loaded[-1] = "kahan_comp (from the fp32 masters)"

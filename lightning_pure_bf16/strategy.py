@@ -182,8 +182,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         )
         self.config = self.settings.deepspeed_config(self.config)
         self.trust_checkpoint = bool(trust_checkpoint)
-        self._skips = core.SkipCounter()
-        self._peak_meter: core.PeakMeter | None = None
+        self._run: core.EngineRun | None = None
 
     @property
     def optimizer_options(self) -> OptimizerOptions:
@@ -328,7 +327,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
-        self._peak_meter = core.after_engine_setup(
+        self._run = core.after_engine_setup(
             self.deepspeed_engine,
             self.strategy_name,
             self.root_device,
@@ -393,7 +392,6 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             strategy_name=self.strategy_name,
             trust_checkpoint=self.trust_checkpoint or weights_only is False,
         )
-        self._skips.sync(self.deepspeed_engine)
         if repartitioned is not None and "pytorch-lightning_version" not in client_state:
             import lightning
 
@@ -408,14 +406,13 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     # --------------------------------------------------------------------------------------- non-finite steps
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        opt = self.pure_bf16_optimizer
+        before = opt.skipped_steps
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._skips.update(self.deepspeed_engine, self.strategy_name):
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            if trainer is not None:
-                optimizer = self.pure_bf16_optimizer
-                skipped = float(optimizer.skipped_steps)
-                for logger in trainer.loggers:
-                    logger.log_metrics({"pure_bf16/skipped_steps": skipped}, step=trainer.global_step)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if opt.skipped_steps > before and trainer is not None:  # counted and warned about by the engine's run
+            for logger in trainer.loggers:
+                logger.log_metrics({"pure_bf16/skipped_steps": float(opt.skipped_steps)}, step=trainer.global_step)
         return output
 
     # ------------------------------------------------------------------------------------------------ inspection
@@ -444,12 +441,13 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             ``model_state_per_param`` and ``source`` (CUDA's allocator, or the CPU's resident set); ``None`` before
             setup or where no peak can be measured.
         """
-        return core.peak_memory(self.deepspeed_engine, self._peak_meter)
+        return self._run.peak_memory() if self._run is not None else None
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        core.log_peak_memory(self.deepspeed_engine, self._peak_meter, self.strategy_name)
+        if self._run is not None:
+            self._run.log_peak_memory()
 
 
 __all__ = ["STATE_DIR_ENV", "DeepSpeedPureBF16Strategy"]

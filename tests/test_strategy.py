@@ -395,17 +395,17 @@ def test_auto_gathers_the_next_layer_only_where_twice_it_and_the_steps_peak_fit(
     # On the CPU: twice the layer, and gloo's copy of it: 8,000 bytes beside the peak's 1,000.
     for available, fits in ((9_000, True), (8_999, False)):
         auto = NextLayerIfItFits(engine, Meter(available), "deepspeed_pure_bf16")
-        engine.optimizer.step = lambda: step_count.append(1)
-        auto.decide_after_the_first_step()
         assert not auto.on
         with caplog.at_level(logging.INFO):
             caplog.clear()
             engine.optimizer.step()
+            auto.after_step()  # as the engine's run calls it after each of ZeRO-3's steps
         assert auto.on is fits and len(step_count) == 1
         assert ("gathered ahead from now on" if fits else "stay gathered one at a time") in caplog.text
         with caplog.at_level(logging.INFO):
             caplog.clear()
-            engine.optimizer.step()  # decided once
+            engine.optimizer.step()
+            auto.after_step()  # decided once
         assert auto.on is fits and len(step_count) == 2 and "gather_cache='auto'" not in caplog.text
         step_count.clear()
     assert NextLayerIfItFits(engine, Meter(None), "deepspeed_pure_bf16").decide() is False  # no peak measured
