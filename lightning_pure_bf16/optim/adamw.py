@@ -6,35 +6,28 @@ CUDA tensors, a chunked PyTorch path everywhere else), which draw identical rand
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any, Literal
 
 import torch
-from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.adamw_cpu import (
-    adamw_update_cpu_,
     any_nonfinite_cpu,
     can_use_fused_cpu,
     fused_cpu_available,
 )
 from lightning_pure_bf16.ops.adamw_torch import (
     DEFAULT_CHUNK,
-    ROUNDING_MODES,
     UpdateArgs,
-    adamw_update_torch_,
-    intercepts_operations,
 )
-from lightning_pure_bf16.ops.rng import Buffer, draw_seed, rank_seed, stream_key
-from lightning_pure_bf16.optim import sharded, state_dicts
+from lightning_pure_bf16.ops.rng import draw_seed, rank_seed
+from lightning_pure_bf16.optim import functional, sharded, state_dicts
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
     MmapStateStore,
@@ -53,8 +46,6 @@ from lightning_pure_bf16.optim.options import (
 from lightning_pure_bf16.optim.state_dicts import BUFFER_KEYS as _BUFFER_KEYS
 from lightning_pure_bf16.optim.state_dicts import SCALE_KEYS as _SCALE_KEYS
 from lightning_pure_bf16.optim.state_dicts import STORED_KEYS as _STORED_KEYS
-
-_TRITON_AVAILABLE = RequirementCache("triton")
 
 Rounding = Literal["stochastic", "kahan", "nearest"]
 Backend = Literal["auto", "triton", "cpu", "torch"]
@@ -75,33 +66,6 @@ _COPIED_ATTRIBUTES = (
     "_next_stream",
     "_closed",
 )
-
-
-def _triton_update() -> Callable[..., None]:
-    if not _TRITON_AVAILABLE:
-        raise ModuleNotFoundError(
-            f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
-        )
-    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
-
-    return adamw_update_triton_
-
-
-def _triton_can_run(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:
-    """The update writes each element in place, through raw memory on the CPU and in Triton: a tensor subclass that
-    intercepts operations and holds no memory of its own would be written past, or crash the CPU loop. DTensors are
-    taken apart before this check (their local shard is a plain tensor)."""
-    if intercepts_operations(t):
-        raise TypeError(
-            f"{name} updates plain tensors and DTensors in place; {what} of shape {tuple(t.shape)} is a"
-            f" {type(t).__name__}, a tensor subclass that intercepts operations and may hold no memory of its own."
-            " Give the optimizer plain tensors or DTensors (FSDP2's `fully_shard`, tensor parallelism), or train with"
-            " `strategy='deepspeed_pure_bf16'`, which shards the parameters itself."
-        )
 
 
 class AdamW(Optimizer):
@@ -202,11 +166,9 @@ class AdamW(Optimizer):
         if chunk_size <= 0 or chunk_size & (chunk_size - 1):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
         check_seed(name, seed)
-        if backend == "triton" and not _TRITON_AVAILABLE:
-            raise ModuleNotFoundError(
-                f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
-            )
-        _check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
+        if backend == "triton" and not functional.triton_available():
+            functional.update_function("triton")  # says what is missing
+        functional.check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
         OptimizerOptions(
             rounding=rounding,
             backend=backend,
@@ -278,7 +240,7 @@ class AdamW(Optimizer):
                     f" shape {tuple(p.shape)}. Convert the model with `model.to(torch.bfloat16)`."
                 )
         merged = {**self.defaults, **param_group}
-        _check_hyperparameters(
+        functional.check_hyperparameters(
             type(self).__name__,
             merged["lr"],
             merged["betas"],
@@ -293,7 +255,7 @@ class AdamW(Optimizer):
     def _check_tensor_kind(self, p: torch.Tensor) -> None:
         name = type(self).__name__
         if not sharded.is_dtensor(p):
-            _refuse_subclass(name, p, "a parameter")
+            functional.refuse_subclass(name, p, "a parameter")
             return
         why = sharded.unsupported_placement(p)
         if why is not None:
@@ -304,7 +266,7 @@ class AdamW(Optimizer):
                 f" {tuple(p.shape)} (FSDP2, tensor parallelism) has only a shard on this rank. Use"
                 " `state_storage='memory'` with sharded parameters."
             )
-        _refuse_subclass(name, sharded.local(p), "the local shard of a DTensor parameter")
+        functional.refuse_subclass(name, sharded.local(p), "the local shard of a DTensor parameter")
 
     @property
     def state_dir(self) -> str | None:
@@ -390,7 +352,7 @@ class AdamW(Optimizer):
             raise ValueError(f"{type(self).__name__}.step_parameter: the tensor is not a parameter of this optimizer.")
         if p.grad is None:
             return False
-        backend = self._pick_backend(*self._local_pair(p))
+        backend = functional.resolve_backend(self.backend, *self._local_pair(p), name=type(self).__name__)
         self._refuse_float32_masters([(p, group, backend)])
         if self.check_nonfinite:
             flag = torch.as_tensor(self._nonfinite(sharded.local(p.grad)), dtype=torch.float32).reshape(())
@@ -423,7 +385,7 @@ class AdamW(Optimizer):
                 loss = closure()
         # Validate everything first, so a bad gradient or device fails before any buffer or counter changes.
         plan = [
-            (p, group, self._pick_backend(*self._local_pair(p)))
+            (p, group, functional.resolve_backend(self.backend, *self._local_pair(p), name=type(self).__name__))
             for group in self.param_groups
             for p in group["params"]
             if p.grad is not None
@@ -660,7 +622,8 @@ class AdamW(Optimizer):
         blocks = slice(start // quant.QBLOCK, -(-end // quant.QBLOCK))
         scales = {k: state[k][blocks] for k in _SCALE_KEYS if k in state}
         kahan_comp = pieces.get("kahan_comp") if group["rounding"] == "kahan" else None
-        update = self._update_function(self._pick_backend(flat, grad))
+        backend = functional.resolve_backend(self.backend, flat, grad, name=type(self).__name__)
+        update = functional.update_function(backend, self.chunk_size)
         if self._store is not None:
             # The backward reaches a partition's parameters in the reverse of their order, and the kernel's readahead
             # follows a file forward: the states just before this slice are asked for now (asynchronously), to be read
@@ -691,53 +654,37 @@ class AdamW(Optimizer):
     def _step_args(
         self, group: dict[str, Any], state: dict[str, Any], step: int, seed: int | None = None
     ) -> UpdateArgs:
-        beta1, beta2 = group["betas"]
-        return UpdateArgs(
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            decoupled=bool(group["decoupled_weight_decay"]),
-            step=step,
-            rounding=group["rounding"],
-            keys=tuple(  # type: ignore[arg-type]
-                stream_key(self.seed if seed is None else seed, state["stream"], step, b) for b in Buffer
-            ),
-        )
-
-    def _update_function(self, backend: str) -> Callable[..., None]:
-        if backend == "triton":
-            return _triton_update()
-        if backend == "cpu":
-            return adamw_update_cpu_
-        return partial(adamw_update_torch_, chunk_size=self.chunk_size)
+        seed = self.seed if seed is None else seed
+        return functional.update_args(**_hyperparameters(group), step=step, seed=seed, stream=state["stream"])
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
-        grad = p.grad
         state = self.init_state(p, group)
         state["step"] += 1
         step = int(state["step"].item())
-        rounding = group["rounding"]
-        kahan_comp = state.get("kahan_comp") if rounding == "kahan" else None
-        update = self._update_function(backend)
-        if sharded.is_dtensor(p):
-            seed, offset = self._noise(p)
-            args = self._step_args(group, state, step, seed)
-            shard, grad = self._local_pair(p)
-            buffers = {k: sharded.local(v) for k, v in state.items() if k in _STORED_KEYS}
-            if shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
-                scales = {k: buffers[k] for k in _SCALE_KEYS if k in buffers}
-                comp = buffers.get("kahan_comp") if rounding == "kahan" else None
-                m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
-                update(shard, grad, m, v, comp, args, index_offset=offset, **scales)
+        if self._store is not None:  # plain tensors only (DTensors are refused with state files)
+            kahan = group["rounding"] == "kahan" and "kahan_comp" in state
+            args = self._step_args(group, state, step)
+            self._update_streamed(functional.update_function(backend, self.chunk_size), p, p.grad, state, kahan, args)
             return
-        args = self._step_args(group, state, step)
-        if self._store is None:
-            scales = {k: state[k] for k in _SCALE_KEYS if k in state}
-            update(p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp, args, **scales)
+        seed, offset = self._noise(p)
+        shard, grad = self._local_pair(p)
+        if not shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
             return
-        self._update_streamed(update, p, grad, state, kahan_comp is not None, args)
+        buffers = {k: sharded.local(v) for k, v in state.items() if k in _STORED_KEYS}
+        functional.adamw(
+            shard,
+            grad,
+            buffers.pop("exp_avg"),
+            buffers.pop("exp_avg_sq"),
+            step=step,
+            **_hyperparameters(group),
+            **buffers,
+            seed=seed,
+            stream=state["stream"],
+            index_offset=offset,
+            backend=backend,
+            chunk_size=self.chunk_size,
+        )
 
     def _update_streamed(
         self,
@@ -778,53 +725,6 @@ class AdamW(Optimizer):
         streamer.update(call, p_flat, g_flat, states, forward, index_base, defer_writes)
         if not p.is_contiguous():
             p.copy_(p_flat.view(p.shape))
-
-    def _pick_backend(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> str:
-        grad = p.grad if grad is None else grad
-        name = type(self).__name__
-        _refuse_subclass(name, p, "a parameter")
-        _refuse_subclass(name, grad, "the gradient of a parameter")
-        if p.is_meta or grad.is_meta:
-            what = "a parameter" if p.is_meta else "the gradient of a parameter"
-            raise RuntimeError(
-                f"{name}: {what} of shape {tuple(p.shape)} is on the meta device and has no values to update."
-                " Materialize the model first (`model.to_empty(device=...)`, then initialize its weights) and build"
-                " the optimizer over its parameters."
-            )
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients (a parameter of shape {tuple(p.shape)} has"
-                " one): use dense gradients (`nn.Embedding(..., sparse=False)`) or `torch.optim.SparseAdam`."
-            )
-        if grad.shape != p.shape:
-            raise RuntimeError(f"Gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(p.shape)}.")
-        if p.dtype != torch.bfloat16 or self.backend == "torch":
-            return "torch"
-        if self.backend == "triton":
-            if not _triton_can_run(p):
-                raise RuntimeError(
-                    f"`backend='triton'` needs CUDA tensors (got a tensor on {p.device}); use `backend='torch'` or set"
-                    " TRITON_INTERPRET=1 before importing to run the kernel on the CPU."
-                )
-            return "triton"
-        fused_cpu_ok = can_use_fused_cpu(p, grad)
-        if self.backend == "cpu":
-            if not fused_cpu_ok:
-                raise RuntimeError(
-                    "`backend='cpu'` needs contiguous bf16 CPU tensors for the parameter and its gradient (got"
-                    f" {p.dtype} on {p.device}, gradient {grad.dtype}); use `backend='auto'` or `backend='torch'`."
-                )
-            if not fused_cpu_available():
-                raise RuntimeError(
-                    "`backend='cpu'`: the fused CPU loop did not compile (see the warning above); use"
-                    " `backend='torch'`."
-                )
-            return "cpu"
-        if p.is_cuda and _TRITON_AVAILABLE:
-            return "triton"
-        if fused_cpu_ok and fused_cpu_available():
-            return "cpu"
-        return "torch"
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy``, ``pickle`` and ``torch.save(optimizer)`` keep: torch's state plus the seed, the
@@ -907,6 +807,11 @@ def _close_storage(store: MmapStateStore, streamers: dict[Any, StateStreamer]) -
     store.close()
 
 
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`functional.adamw` takes of a param group."""
+    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "rounding")}
+
+
 class Adam(AdamW):
     """Adam with L2 weight decay added to the gradient (``torch.optim.Adam`` semantics), pure bf16.
 
@@ -929,22 +834,6 @@ class Adam(AdamW):
     ) -> None:
         self._decoupled_default = decoupled_weight_decay
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
-
-
-def _check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, rounding: Any) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"`{name}(lr=...)` must be a float or a one-element tensor, got shape {tuple(lr.shape)}.")
-        lr = float(lr)
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0.0:
-        raise ValueError(f"`{name}(lr={lr!r})`: the learning rate must be a finite number >= 0.")
-    if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"`{name}(eps={eps!r})`: eps must be a finite number >= 0.")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"`{name}(betas={betas!r})`: both betas must be in [0, 1).")
-    if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"`{name}(weight_decay={weight_decay!r})`: weight decay must be a finite number >= 0.")
-    check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 
 __all__ = ["Adam", "AdamW", "register_construction_hook"]
