@@ -345,29 +345,20 @@ class AdamW(Optimizer):
         Returns:
             Whether ``p`` was updated.
         """
-        if self._closed:
-            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
+        self._check_open()
         group = self._group_of(p)
         if group is None:
             raise ValueError(f"{type(self).__name__}.step_parameter: the tensor is not a parameter of this optimizer.")
         if p.grad is None:
             return False
-        backend = functional.resolve_backend(self.backend, *self._local_pair(p), name=type(self).__name__)
-        self._refuse_float32_masters([(p, group, backend)])
-        if self.check_nonfinite:
-            flag = torch.as_tensor(self._nonfinite(sharded.local(p.grad)), dtype=torch.float32).reshape(())
-            if self.nonfinite_reduce is not None:
-                flag = self.nonfinite_reduce(flag)
-            elif sharded.is_dtensor(p) and torch.distributed.is_initialized():
-                flag = sharded.agree_any(flag, [p])
-            if bool(flag.item()):
-                self.skipped_parameter_updates += 1
-                return False
-        if self._store is not None:
-            self.init_states([(p, group)])
-            self._store.verify(self.state[p]["stream"])
-        self._update(p, group, backend)
-        return True
+
+        def flag() -> torch.Tensor:
+            return torch.as_tensor(self._nonfinite(sharded.local(p.grad)), dtype=torch.float32).reshape(())
+
+        updated = self._apply([(p, group)], flag, agree_over=[p] if sharded.is_dtensor(p) else [])
+        if not updated:
+            self.skipped_parameter_updates += 1
+        return updated
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -377,32 +368,46 @@ class AdamW(Optimizer):
         Under ``torch.compile`` the step runs eagerly (it is one fused kernel per tensor already), so it draws the
         same rounding noise as without compiling.
         """
-        if self._closed:
-            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Validate everything first, so a bad gradient or device fails before any buffer or counter changes.
+        params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank takes
+        # part in the agreement.
+        if not self._apply(params, self.nonfinite_grads, agree_over=self._sharded_params()):
+            self.record_skipped_step()
+        return loss
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
+
+    def _apply(
+        self,
+        params: list[tuple[torch.Tensor, dict[str, Any]]],
+        nonfinite: Callable[[], torch.Tensor],
+        *,
+        agree_over: list[torch.Tensor],
+    ) -> bool:
+        """The update path of :meth:`step` and :meth:`step_parameter`: every tensor checked and its backend chosen
+        before anything changes, the inf/NaN decision (``nonfinite()``, reduced by :attr:`nonfinite_reduce` or agreed
+        over the DTensors ``agree_over`` across ranks), the state files made and checked, then each tensor updated.
+        Returns whether the tensors were updated (False: a gradient was inf/NaN and nothing changed)."""
+        name = type(self).__name__
         plan = [
-            (p, group, functional.resolve_backend(self.backend, *self._local_pair(p), name=type(self).__name__))
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
+            (p, group, functional.resolve_backend(self.backend, *self._local_pair(p), name=name)) for p, group in params
         ]
         self._refuse_float32_masters(plan)
         if self.check_nonfinite:
-            flag = self.nonfinite_grads()
+            flag = nonfinite()
             if self.nonfinite_reduce is not None:
                 flag = self.nonfinite_reduce(flag)
-            elif self._sharded_params() and torch.distributed.is_initialized():
-                # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every
-                # rank takes part.
-                flag = sharded.agree_any(flag, self._sharded_params())
+            elif agree_over and torch.distributed.is_initialized():
+                flag = sharded.agree_any(flag, agree_over)
             if bool(flag.item()):
-                self.record_skipped_step()
-                return loss
-
+                return False
         if self._store is not None:
             # All files of this step exist (created together, after one free-space check) and are intact before
             # any buffer changes.
@@ -411,7 +416,7 @@ class AdamW(Optimizer):
                 self._store.verify(self.state[p]["stream"])
         for p, group, backend in plan:
             self._update(p, group, backend)
-        return loss
+        return True
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any] | None:
         """The group holding ``p``, from an index rebuilt when the groups change (one lookup per hook call, not a scan
