@@ -107,10 +107,10 @@ class _Sampler(threading.Thread):
 def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layers: int) -> None:
     """One fit; every rank writes its phases to ``out/rank{R}.json``."""
     if upstream_step:  # DeepSpeed's own step: the flattened gradient copy and the full-size float64 norm
-        from lightning_pure_bf16 import _internals
+        from lightning_pure_bf16 import _internals, collectives
 
         _internals.view_sub_group_gradients = lambda zero_optimizer: None
-        _internals.gradient_norm_in_pieces = lambda zero_optimizer: None
+        collectives.gradient_norm_in_pieces = lambda zero_optimizer: None
     import torch
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_pure_bf16 import _internals
+from lightning_pure_bf16 import _internals, collectives
 from lightning_pure_bf16.checkpoint import (
     TAG,
     CheckpointError,
@@ -379,10 +379,10 @@ def zero3_construction(gradient_release: bool) -> Iterator[None]:
     partitions (without the gradient buffers release never uses), and DeepSpeed's collectives in bounded pieces under
     gloo before (ZeRO-3's construction gathers every parameter once, to hook its gradient) and after (where
     ``deepspeed.initialize`` set up DeepSpeed's communication backend itself)."""
-    _internals.bounded_gloo_collectives()
+    collectives.bounded_gloo_collectives()
     with _internals.alias_bf16_master_partitions(gradient_release=gradient_release):
         yield
-    _internals.bounded_gloo_collectives()
+    collectives.bounded_gloo_collectives()
 
 
 def initialize_engine(
@@ -461,7 +461,7 @@ def after_engine_setup(
         release = GradientRelease(engine.optimizer, strategy_name)
     else:
         _internals.view_sub_group_gradients(engine.optimizer)
-        _internals.gradient_norm_in_pieces(engine.optimizer)
+        collectives.gradient_norm_in_pieces(engine.optimizer)
     optimizer = inner_optimizer(engine)
     report = memory_report(engine)
     rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))

@@ -30,7 +30,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16 import _internals, collectives, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
@@ -295,7 +295,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
                 " parameters exists. Remove the call, or leave gradient release off."
             )
         self._max_norm = float(max_norm)
-        return _internals.zero3_grad_norm(self._deepspeed_engine.optimizer)
+        return collectives.zero3_grad_norm(self._deepspeed_engine.optimizer)
 
     @override
     def clip_gradients_value(self, module: Any, optimizer: Optimizer, clip_val: float | int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_pure_bf16 import _internals
+from lightning_pure_bf16 import _internals, collectives
 from lightning_pure_bf16.optim import quant
 
 
@@ -112,7 +112,7 @@ class GradientRelease:
             grad = grad.reshape(-1)[:numel] if data else grad.new_zeros(0)
             poisoned = param.ds_id in nonfinite
             if not poisoned:
-                self._sum_sq += _internals.squared_norm_in_pieces(grad)
+                self._sum_sq += collectives.squared_norm_in_pieces(grad)
             self._apply_range(sub_group, offset, numel, grad, poisoned)
 
     def _apply_range(self, sub_group: int, offset: int, numel: int, grad: torch.Tensor, poisoned: bool) -> None:

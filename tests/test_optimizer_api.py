@@ -599,3 +599,29 @@ def test_a_dropped_optimizer_of_this_package_is_told_about_when_another_steps_fi
     else:
         (message,) = said
         assert "torch.optim.sgd.SGD` is stepping" in message and "PureBF16Trainer" in message
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_the_functional_update_writes_the_optimizers_bits(rounding, moments):
+    from lightning_pure_bf16.optim.functional import adamw
+
+    init = torch.randn(300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    p, q = init.clone().requires_grad_(), init.clone()
+    opt = AdamW([p], lr=1e-2, weight_decay=0.1, seed=17, rounding=rounding, moments=moments)
+    opt.init_state(p, opt.param_groups[0])
+    state = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.ndim}
+    for step in (1, 2, 3):
+        grad = torch.randn(300, generator=torch.Generator().manual_seed(step)).bfloat16()
+        p.grad = grad
+        opt.step()
+        m, v = state.pop("exp_avg"), state.pop("exp_avg_sq")
+        adamw(q, grad, m, v, step=step, lr=1e-2, weight_decay=0.1, rounding=rounding, seed=17, stream=0, **state)
+        state.update(exp_avg=m, exp_avg_sq=v)
+    assert torch.equal(p.detach(), q)
+    for key, value in state.items():
+        assert torch.equal(opt.state[p][key], value), key
+    with pytest.raises(ValueError, match="needs `kahan_comp`"):
+        adamw(q, grad, m, v, step=4, rounding="kahan")
+    with pytest.raises(ValueError, match="betas"):
+        adamw(q, grad, m, v, step=4, betas=(0.9, 1.5))

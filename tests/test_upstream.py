@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from lightning_pure_bf16 import _internals
+from lightning_pure_bf16 import _internals, collectives
 from lightning_pure_bf16._internals import (
     COPIED_UPSTREAM,
     OPTIONAL_OWNERS,
@@ -214,7 +214,7 @@ def test_the_gradient_norm_reads_each_partition_in_pieces_and_gives_the_same_nor
     # of at most NORM_PIECE elements, each attributed to its own parameter, and the norm is the same.
     import torch
 
-    monkeypatch.setattr(_internals, "NORM_PIECE", 100)
+    monkeypatch.setattr(collectives, "NORM_PIECE", 100)
     calls = []
 
     class ZeroOptimizer:
@@ -226,7 +226,7 @@ def test_the_gradient_norm_reads_each_partition_in_pieces_and_gives_the_same_nor
     params = ["big", "small"]
     zero = ZeroOptimizer()
     expected = zero.get_grad_norm_direct(grads, params)
-    _internals.gradient_norm_in_pieces(zero)
+    collectives.gradient_norm_in_pieces(zero)
     got = zero.get_grad_norm_direct(grads, params)
     pieces, owners = calls[-1]
     assert [p.numel() for p in pieces] == [100, 100, 50, 21]
@@ -238,7 +238,7 @@ def test_the_gradient_norm_reads_each_partition_in_pieces_and_gives_the_same_nor
 def test_the_norm_for_fabric_clipping_reads_the_partition_in_pieces(monkeypatch):
     import torch
 
-    monkeypatch.setattr(_internals, "NORM_PIECE", 64)
+    monkeypatch.setattr(collectives, "NORM_PIECE", 64)
     buffer = torch.randn(1000, dtype=torch.bfloat16)
     seen = []
     real_norm = torch.linalg.vector_norm
@@ -252,7 +252,7 @@ def test_the_norm_for_fabric_clipping_reads_the_partition_in_pieces(monkeypatch)
     class ZeroOptimizer:
         grad_partitions_flat_buffer = buffer
 
-    norm = _internals.zero3_grad_norm(ZeroOptimizer())
+    norm = collectives.zero3_grad_norm(ZeroOptimizer())
     assert max(seen) == 64 and sum(seen) == 1000
     assert torch.allclose(norm, buffer.double().norm().float(), rtol=1e-6)
 
@@ -279,7 +279,7 @@ def _collectives_in_pieces(rank, store, out):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    _internals.COLLECTIVE_PIECE = 10  # elements; the tensors below span several pieces and end in a partial one
+    collectives.COLLECTIVE_PIECE = 10  # elements; the tensors below span several pieces and end in a partial one
     sizes = []
 
     def spy(fn):
@@ -289,8 +289,8 @@ def _collectives_in_pieces(rank, store, out):
 
         return call
 
-    gather = _internals._all_gather_in_pieces(spy(dist.all_gather_into_tensor))
-    scatter = _internals._reduce_scatter_in_pieces(spy(dist.reduce_scatter_tensor))
+    gather = collectives.all_gather_in_pieces(spy(dist.all_gather_into_tensor))
+    scatter = collectives.reduce_scatter_in_pieces(spy(dist.reduce_scatter_tensor))
     g = torch.Generator().manual_seed(rank)
     part, full = torch.randn(37, generator=g).bfloat16(), torch.randn(74, generator=g).bfloat16()
     expected_gather, expected_scatter = torch.empty(74, dtype=torch.bfloat16), torch.empty(37, dtype=torch.bfloat16)
@@ -338,11 +338,11 @@ def test_gloo_collectives_installed_once_on_deepspeeds_backend(monkeypatch):
 
     backend = Backend()
     monkeypatch.setattr(ds_comm, "cdb", backend)
-    _internals.bounded_gloo_collectives()
+    collectives.bounded_gloo_collectives()
     first = (backend.all_gather_function, backend.reduce_scatter_function)
-    _internals.bounded_gloo_collectives()
+    collectives.bounded_gloo_collectives()
     assert first == (backend.all_gather_function, backend.reduce_scatter_function)
-    assert all(getattr(f, "_pure_bf16_pieces", False) for f in first)
+    assert all(getattr(f, "_pure_bf16_wrapped", False) for f in first)
 
 
 def test_a_resume_reads_deepspeeds_files_through_the_given_reader_and_puts_its_own_back(tmp_path):

@@ -6,36 +6,28 @@ CUDA tensors, a chunked PyTorch path everywhere else), which draw identical rand
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.adamw_cpu import (
-    adamw_update_cpu_,
     any_nonfinite_cpu,
     can_use_fused_cpu,
     fused_cpu_available,
 )
 from lightning_pure_bf16.ops.adamw_torch import (
     DEFAULT_CHUNK,
-    ROUNDING_MODES,
     UpdateArgs,
-    adamw_update_torch_,
-    intercepts_operations,
 )
-from lightning_pure_bf16.ops.rng import Buffer, draw_seed, random_bits, rank_seed, stream_key
-from lightning_pure_bf16.optim import sharded
+from lightning_pure_bf16.ops.rng import draw_seed, rank_seed
+from lightning_pure_bf16.optim import functional, sharded, state_dicts
 from lightning_pure_bf16.optim.mmap_states import (
     DEFAULT_STATE_CHUNK,
     MmapStateStore,
@@ -51,20 +43,14 @@ from lightning_pure_bf16.optim.options import (
     check_seed,
     unsupported_torch_options,
 )
-
-_TRITON_AVAILABLE = RequirementCache("triton")
+from lightning_pure_bf16.optim.state_dicts import BUFFER_KEYS as _BUFFER_KEYS
+from lightning_pure_bf16.optim.state_dicts import SCALE_KEYS as _SCALE_KEYS
+from lightning_pure_bf16.optim.state_dicts import STORED_KEYS as _STORED_KEYS
 
 Rounding = Literal["stochastic", "kahan", "nearest"]
 Backend = Literal["auto", "triton", "cpu", "torch"]
 StateStorage = Literal["memory", "mmap"]
 
-# State entries with one element per parameter element (what ``state_storage`` decides the place of).
-_BUFFER_KEYS = ("exp_avg", "exp_avg_sq", "kahan_comp")
-# The block scales of 8-bit moments (one bf16 per ops.quant.QBLOCK elements).
-_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
-# Every state tensor that state_storage decides the place of.
-_STORED_KEYS = (*_BUFFER_KEYS, *_SCALE_KEYS)
-_STATE_EXTRA_KEY = "pure_bf16"
 # Attributes a copy or an unpickled optimizer keeps, besides torch's defaults, state and param groups.
 _COPIED_ATTRIBUTES = (
     "seed",
@@ -80,33 +66,6 @@ _COPIED_ATTRIBUTES = (
     "_next_stream",
     "_closed",
 )
-
-
-def _triton_update() -> Callable[..., None]:
-    if not _TRITON_AVAILABLE:
-        raise ModuleNotFoundError(
-            f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
-        )
-    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
-
-    return adamw_update_triton_
-
-
-def _triton_can_run(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:
-    """The update writes each element in place, through raw memory on the CPU and in Triton: a tensor subclass that
-    intercepts operations and holds no memory of its own would be written past, or crash the CPU loop. DTensors are
-    taken apart before this check (their local shard is a plain tensor)."""
-    if intercepts_operations(t):
-        raise TypeError(
-            f"{name} updates plain tensors and DTensors in place; {what} of shape {tuple(t.shape)} is a"
-            f" {type(t).__name__}, a tensor subclass that intercepts operations and may hold no memory of its own."
-            " Give the optimizer plain tensors or DTensors (FSDP2's `fully_shard`, tensor parallelism), or train with"
-            " `strategy='deepspeed_pure_bf16'`, which shards the parameters itself."
-        )
 
 
 class AdamW(Optimizer):
@@ -207,11 +166,9 @@ class AdamW(Optimizer):
         if chunk_size <= 0 or chunk_size & (chunk_size - 1):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
         check_seed(name, seed)
-        if backend == "triton" and not _TRITON_AVAILABLE:
-            raise ModuleNotFoundError(
-                f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
-            )
-        _check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
+        if backend == "triton" and not functional.triton_available():
+            functional.update_function("triton")  # says what is missing
+        functional.check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
         OptimizerOptions(
             rounding=rounding,
             backend=backend,
@@ -283,7 +240,7 @@ class AdamW(Optimizer):
                     f" shape {tuple(p.shape)}. Convert the model with `model.to(torch.bfloat16)`."
                 )
         merged = {**self.defaults, **param_group}
-        _check_hyperparameters(
+        functional.check_hyperparameters(
             type(self).__name__,
             merged["lr"],
             merged["betas"],
@@ -298,7 +255,7 @@ class AdamW(Optimizer):
     def _check_tensor_kind(self, p: torch.Tensor) -> None:
         name = type(self).__name__
         if not sharded.is_dtensor(p):
-            _refuse_subclass(name, p, "a parameter")
+            functional.refuse_subclass(name, p, "a parameter")
             return
         why = sharded.unsupported_placement(p)
         if why is not None:
@@ -309,7 +266,7 @@ class AdamW(Optimizer):
                 f" {tuple(p.shape)} (FSDP2, tensor parallelism) has only a shard on this rank. Use"
                 " `state_storage='memory'` with sharded parameters."
             )
-        _refuse_subclass(name, sharded.local(p), "the local shard of a DTensor parameter")
+        functional.refuse_subclass(name, sharded.local(p), "the local shard of a DTensor parameter")
 
     @property
     def state_dir(self) -> str | None:
@@ -388,29 +345,20 @@ class AdamW(Optimizer):
         Returns:
             Whether ``p`` was updated.
         """
-        if self._closed:
-            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
+        self._check_open()
         group = self._group_of(p)
         if group is None:
             raise ValueError(f"{type(self).__name__}.step_parameter: the tensor is not a parameter of this optimizer.")
         if p.grad is None:
             return False
-        backend = self._pick_backend(*self._local_pair(p))
-        self._refuse_float32_masters([(p, group, backend)])
-        if self.check_nonfinite:
-            flag = torch.as_tensor(self._nonfinite(sharded.local(p.grad)), dtype=torch.float32).reshape(())
-            if self.nonfinite_reduce is not None:
-                flag = self.nonfinite_reduce(flag)
-            elif sharded.is_dtensor(p) and torch.distributed.is_initialized():
-                flag = sharded.agree_any(flag, [p])
-            if bool(flag.item()):
-                self.skipped_parameter_updates += 1
-                return False
-        if self._store is not None:
-            self.init_states([(p, group)])
-            self._store.verify(self.state[p]["stream"])
-        self._update(p, group, backend)
-        return True
+
+        def flag() -> torch.Tensor:
+            return torch.as_tensor(self._nonfinite(sharded.local(p.grad)), dtype=torch.float32).reshape(())
+
+        updated = self._apply([(p, group)], flag, agree_over=[p] if sharded.is_dtensor(p) else [])
+        if not updated:
+            self.skipped_parameter_updates += 1
+        return updated
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -420,32 +368,46 @@ class AdamW(Optimizer):
         Under ``torch.compile`` the step runs eagerly (it is one fused kernel per tensor already), so it draws the
         same rounding noise as without compiling.
         """
-        if self._closed:
-            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Validate everything first, so a bad gradient or device fails before any buffer or counter changes.
+        params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank takes
+        # part in the agreement.
+        if not self._apply(params, self.nonfinite_grads, agree_over=self._sharded_params()):
+            self.record_skipped_step()
+        return loss
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"This {type(self).__name__} was closed (its state files are removed); it cannot step.")
+
+    def _apply(
+        self,
+        params: list[tuple[torch.Tensor, dict[str, Any]]],
+        nonfinite: Callable[[], torch.Tensor],
+        *,
+        agree_over: list[torch.Tensor],
+    ) -> bool:
+        """The update path of :meth:`step` and :meth:`step_parameter`: every tensor checked and its backend chosen
+        before anything changes, the inf/NaN decision (``nonfinite()``, reduced by :attr:`nonfinite_reduce` or agreed
+        over the DTensors ``agree_over`` across ranks), the state files made and checked, then each tensor updated.
+        Returns whether the tensors were updated (False: a gradient was inf/NaN and nothing changed)."""
+        name = type(self).__name__
         plan = [
-            (p, group, self._pick_backend(*self._local_pair(p)))
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
+            (p, group, functional.resolve_backend(self.backend, *self._local_pair(p), name=name)) for p, group in params
         ]
         self._refuse_float32_masters(plan)
         if self.check_nonfinite:
-            flag = self.nonfinite_grads()
+            flag = nonfinite()
             if self.nonfinite_reduce is not None:
                 flag = self.nonfinite_reduce(flag)
-            elif self._sharded_params() and torch.distributed.is_initialized():
-                # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every
-                # rank takes part.
-                flag = sharded.agree_any(flag, self._sharded_params())
+            elif agree_over and torch.distributed.is_initialized():
+                flag = sharded.agree_any(flag, agree_over)
             if bool(flag.item()):
-                self.record_skipped_step()
-                return loss
-
+                return False
         if self._store is not None:
             # All files of this step exist (created together, after one free-space check) and are intact before
             # any buffer changes.
@@ -454,7 +416,7 @@ class AdamW(Optimizer):
                 self._store.verify(self.state[p]["stream"])
         for p, group, backend in plan:
             self._update(p, group, backend)
-        return loss
+        return True
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any] | None:
         """The group holding ``p``, from an index rebuilt when the groups change (one lookup per hook call, not a scan
@@ -621,47 +583,7 @@ class AdamW(Optimizer):
 
         A range of 8-bit moments starts on a block (a multiple of ``QBLOCK`` elements) and ends on one or at the end.
         """
-        state = self.state[p]
-        seed, offset = self._noise(p)
-        n = next(v.numel() for k, v in values.items() if k in _BUFFER_KEYS)
-
-        def bits(buffer: Buffer) -> torch.Tensor:  # drawn only for what is encoded
-            index = torch.arange(n, dtype=torch.int32, device=p.device)
-            return random_bits(stream_key(seed, state["stream"], 0, buffer), offset + start, index)
-
-        for key in _BUFFER_KEYS:
-            if key not in values:
-                continue
-            value, target = values[key].reshape(-1).to(p.device), state[key].view(-1)
-            weight = p.detach().reshape(-1).narrow(0, start, n)
-            if key == "kahan_comp" and target.is_floating_point() != value.is_floating_point():
-                if value.is_floating_point():
-                    value = quant.encode_residual(value.float(), weight, bits(Buffer.PARAM))
-                else:
-                    value = quant.decode_residual(value, weight)
-            if target.is_floating_point() or key == "kahan_comp":
-                if not value.is_floating_point() and key != "kahan_comp":  # 8-bit codes into a bf16 buffer
-                    unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=p.device)
-                    decode = quant.decode_v if key == "exp_avg_sq" else quant.decode_m
-                    value = decode(value, unit) * values[f"{key}_scale"].reshape(-1).to(p.device).nan_to_num(nan=0.0)
-                target.narrow(0, start, n).copy_(value)
-            else:
-                if start % quant.QBLOCK or (n % quant.QBLOCK and start + n != target.numel()):
-                    raise ValueError(
-                        f"load_state_range: 8-bit moments are written in whole blocks of {quant.QBLOCK} elements; the"
-                        f" range [{start}, {start + n}) of {target.numel()} does not start and end on one."
-                    )
-                second = key == "exp_avg_sq"
-                buffer = Buffer.EXP_AVG_SQ if second else Buffer.EXP_AVG
-                if value.is_floating_point():
-                    value = value.float()
-                    scales = quant.block_scales(value)
-                    codes = (quant.encode_v if second else quant.encode_m)(value, scales, bits(buffer))
-                else:
-                    own = values[f"{key}_scale"].reshape(-1).to(p.device)
-                    codes, scales = quant.reblock(value, own, second=second, bits=bits(buffer))
-                target.narrow(0, start, n).copy_(codes)
-                state[f"{key}_scale"].narrow(0, start // quant.QBLOCK, scales.numel()).copy_(scales)
+        state_dicts.load_state_range(self, p, start, values)
 
     @torch.no_grad()
     def update_slice(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, start: int) -> None:
@@ -705,7 +627,8 @@ class AdamW(Optimizer):
         blocks = slice(start // quant.QBLOCK, -(-end // quant.QBLOCK))
         scales = {k: state[k][blocks] for k in _SCALE_KEYS if k in state}
         kahan_comp = pieces.get("kahan_comp") if group["rounding"] == "kahan" else None
-        update = self._update_function(self._pick_backend(flat, grad))
+        backend = functional.resolve_backend(self.backend, flat, grad, name=type(self).__name__)
+        update = functional.update_function(backend, self.chunk_size)
         if self._store is not None:
             # The backward reaches a partition's parameters in the reverse of their order, and the kernel's readahead
             # follows a file forward: the states just before this slice are asked for now (asynchronously), to be read
@@ -736,53 +659,37 @@ class AdamW(Optimizer):
     def _step_args(
         self, group: dict[str, Any], state: dict[str, Any], step: int, seed: int | None = None
     ) -> UpdateArgs:
-        beta1, beta2 = group["betas"]
-        return UpdateArgs(
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            decoupled=bool(group["decoupled_weight_decay"]),
-            step=step,
-            rounding=group["rounding"],
-            keys=tuple(  # type: ignore[arg-type]
-                stream_key(self.seed if seed is None else seed, state["stream"], step, b) for b in Buffer
-            ),
-        )
-
-    def _update_function(self, backend: str) -> Callable[..., None]:
-        if backend == "triton":
-            return _triton_update()
-        if backend == "cpu":
-            return adamw_update_cpu_
-        return partial(adamw_update_torch_, chunk_size=self.chunk_size)
+        seed = self.seed if seed is None else seed
+        return functional.update_args(**_hyperparameters(group), step=step, seed=seed, stream=state["stream"])
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
-        grad = p.grad
         state = self.init_state(p, group)
         state["step"] += 1
         step = int(state["step"].item())
-        rounding = group["rounding"]
-        kahan_comp = state.get("kahan_comp") if rounding == "kahan" else None
-        update = self._update_function(backend)
-        if sharded.is_dtensor(p):
-            seed, offset = self._noise(p)
-            args = self._step_args(group, state, step, seed)
-            shard, grad = self._local_pair(p)
-            buffers = {k: sharded.local(v) for k, v in state.items() if k in _STORED_KEYS}
-            if shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
-                scales = {k: buffers[k] for k in _SCALE_KEYS if k in buffers}
-                comp = buffers.get("kahan_comp") if rounding == "kahan" else None
-                m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
-                update(shard, grad, m, v, comp, args, index_offset=offset, **scales)
+        if self._store is not None:  # plain tensors only (DTensors are refused with state files)
+            kahan = group["rounding"] == "kahan" and "kahan_comp" in state
+            args = self._step_args(group, state, step)
+            self._update_streamed(functional.update_function(backend, self.chunk_size), p, p.grad, state, kahan, args)
             return
-        args = self._step_args(group, state, step)
-        if self._store is None:
-            scales = {k: state[k] for k in _SCALE_KEYS if k in state}
-            update(p, grad, state["exp_avg"], state["exp_avg_sq"], kahan_comp, args, **scales)
+        seed, offset = self._noise(p)
+        shard, grad = self._local_pair(p)
+        if not shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
             return
-        self._update_streamed(update, p, grad, state, kahan_comp is not None, args)
+        buffers = {k: sharded.local(v) for k, v in state.items() if k in _STORED_KEYS}
+        functional.adamw(
+            shard,
+            grad,
+            buffers.pop("exp_avg"),
+            buffers.pop("exp_avg_sq"),
+            step=step,
+            **_hyperparameters(group),
+            **buffers,
+            seed=seed,
+            stream=state["stream"],
+            index_offset=offset,
+            backend=backend,
+            chunk_size=self.chunk_size,
+        )
 
     def _update_streamed(
         self,
@@ -824,53 +731,6 @@ class AdamW(Optimizer):
         if not p.is_contiguous():
             p.copy_(p_flat.view(p.shape))
 
-    def _pick_backend(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> str:
-        grad = p.grad if grad is None else grad
-        name = type(self).__name__
-        _refuse_subclass(name, p, "a parameter")
-        _refuse_subclass(name, grad, "the gradient of a parameter")
-        if p.is_meta or grad.is_meta:
-            what = "a parameter" if p.is_meta else "the gradient of a parameter"
-            raise RuntimeError(
-                f"{name}: {what} of shape {tuple(p.shape)} is on the meta device and has no values to update."
-                " Materialize the model first (`model.to_empty(device=...)`, then initialize its weights) and build"
-                " the optimizer over its parameters."
-            )
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients (a parameter of shape {tuple(p.shape)} has"
-                " one): use dense gradients (`nn.Embedding(..., sparse=False)`) or `torch.optim.SparseAdam`."
-            )
-        if grad.shape != p.shape:
-            raise RuntimeError(f"Gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(p.shape)}.")
-        if p.dtype != torch.bfloat16 or self.backend == "torch":
-            return "torch"
-        if self.backend == "triton":
-            if not _triton_can_run(p):
-                raise RuntimeError(
-                    f"`backend='triton'` needs CUDA tensors (got a tensor on {p.device}); use `backend='torch'` or set"
-                    " TRITON_INTERPRET=1 before importing to run the kernel on the CPU."
-                )
-            return "triton"
-        fused_cpu_ok = can_use_fused_cpu(p, grad)
-        if self.backend == "cpu":
-            if not fused_cpu_ok:
-                raise RuntimeError(
-                    "`backend='cpu'` needs contiguous bf16 CPU tensors for the parameter and its gradient (got"
-                    f" {p.dtype} on {p.device}, gradient {grad.dtype}); use `backend='auto'` or `backend='torch'`."
-                )
-            if not fused_cpu_available():
-                raise RuntimeError(
-                    "`backend='cpu'`: the fused CPU loop did not compile (see the warning above); use"
-                    " `backend='torch'`."
-                )
-            return "cpu"
-        if p.is_cuda and _TRITON_AVAILABLE:
-            return "triton"
-        if fused_cpu_ok and fused_cpu_available():
-            return "cpu"
-        return "torch"
-
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy``, ``pickle`` and ``torch.save(optimizer)`` keep: torch's state plus the seed, the
         counters and the options, so a copy continues bit for bit like the original. ``nonfinite_reduce`` is left out
@@ -907,7 +767,7 @@ class AdamW(Optimizer):
         self._store = MmapStateStore(check_state_dir(root, who=who), who=who)
         self._finalizer = weakref.finalize(self, _close_storage, self._store, self._streamers)
         saved = {p: {k: st.pop(k) for k in _STORED_KEYS if k in st} for p, st in self.state.items()}
-        self._load_buffers_into_files(saved)
+        state_dicts.load_buffers_into_files(self, saved)
 
     def state_dict(self) -> dict[str, Any]:
         """The torch state dict plus the rounding seed, the stream counter and the skipped-step count.
@@ -917,26 +777,7 @@ class AdamW(Optimizer):
         moments' block scales are given once per element for that (only in the state dict: in memory a block of 128
         elements has one), and the seed and counters are repeated in every parameter group, which
         ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps (it drops other top-level keys)."""
-        if self._closed and self._store is not None:
-            raise RuntimeError(
-                f"This {type(self).__name__} was closed and its state files removed: there are no moments to save."
-                " Save before calling `close()`."
-            )
-        self.wait_for_state_writes()
-        sd = super().state_dict()
-        if self._store is not None:
-            sd["state"] = {index: _saveable(st) for index, st in sd["state"].items()}
-        sd[_STATE_EXTRA_KEY] = {
-            "seed": self.seed,
-            "skipped_steps": self.skipped_steps,
-            "next_stream": self._next_stream,
-        }
-        if self._sharded_params():
-            params = [p for g in self.param_groups for p in g["params"]]
-            sd["state"] = {index: _per_element_scales(params[index], st) for index, st in sd["state"].items()}
-            for group in sd["param_groups"]:
-                group[_STATE_EXTRA_KEY] = dict(sd[_STATE_EXTRA_KEY])
-        return sd
+        return state_dicts.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`; restores the seed, so the run continues bit for bit.
@@ -948,237 +789,7 @@ class AdamW(Optimizer):
 
         Load-state-dict pre-hooks see the whole state dict; post-hooks see the restored seed and counters.
         """
-        self.wait_for_state_writes()  # a write still running must not land over the loaded states
-        loaded: dict[str, Any] = {}
-
-        # Runs after the user's pre-hooks (it is registered last), on the state dict they leave.
-        def unpack(_: Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-            sd = dict(sd)
-            extra = sd.pop(_STATE_EXTRA_KEY, None)
-            groups = sd.get("param_groups")
-            if isinstance(groups, list) and any(isinstance(g, dict) and _STATE_EXTRA_KEY in g for g in groups):
-                # Saved with DTensor parameters (and perhaps through torch.distributed.checkpoint, which keeps only
-                # the state and the groups).
-                in_groups = [g.get(_STATE_EXTRA_KEY) for g in groups if isinstance(g, dict)]
-                sd["param_groups"] = [
-                    {k: v for k, v in g.items() if k != _STATE_EXTRA_KEY} if isinstance(g, dict) else g for g in groups
-                ]
-                extra = extra if extra is not None else in_groups[0]
-            if extra is None:
-                sd = self._from_torch_state_dict(sd)
-            loaded["extra"] = extra
-            loaded["dtypes"] = self._check_saved_formats(sd)
-            if self._store is not None:
-                loaded["buffers"] = self._check_saved_buffers(sd)
-                sd["state"] = {
-                    index: {k: v for k, v in st.items() if k not in _STORED_KEYS} for index, st in sd["state"].items()
-                }
-            return sd
-
-        # Runs before the user's post-hooks (it is prepended).
-        def restore(_: Optimizer) -> None:
-            extra = loaded["extra"]
-            if extra is not None:
-                self.seed = int(extra["seed"])
-                self.skipped_steps = int(extra["skipped_steps"])
-                self._next_stream = int(extra["next_stream"])
-            for state in self.state.values():
-                if "step" in state:
-                    # torch may cast or move "step"; keep it an exact int64 CPU counter.
-                    state["step"] = torch.as_tensor(state["step"]).detach().to("cpu", torch.int64).reshape(())
-                    if "stream" not in state:  # loaded from torch.optim
-                        state["stream"] = self._next_stream
-                        self._next_stream += 1
-            self._restore_formats(loaded["dtypes"])
-            if self._store is not None:
-                self._load_buffers_into_files(loaded["buffers"])
-
-        pre = self.register_load_state_dict_pre_hook(unpack)
-        post = self.register_load_state_dict_post_hook(restore, prepend=True)
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            pre.remove()
-            post.remove()
-
-    def _from_torch_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
-        """A ``torch.optim.AdamW``/``Adam`` state dict made loadable: this optimizer's group options with the saved
-        hyperparameters (checked first, before anything changes)."""
-        name = type(self).__name__
-        saved_groups = sd.get("param_groups")
-        states = sd.get("state")
-        if not isinstance(saved_groups, list) or not isinstance(states, dict):
-            raise KeyError(
-                f"{name}.load_state_dict: this is not an optimizer state dict (no 'state' and 'param_groups')."
-            )
-        keys = {k for st in states.values() for k in st}
-        if not keys <= {"step", "exp_avg", "exp_avg_sq"} or any(
-            g.get(option, off) != off for g in saved_groups for option, off in UNSUPPORTED_TORCH_OPTIONS.items()
-        ):
-            raise KeyError(
-                f"{name}.load_state_dict: this state dict has no {_STATE_EXTRA_KEY!r} entry and is not a plain"
-                f" torch.optim.AdamW/Adam one (state keys {sorted(keys)}; amsgrad, maximize, capturable and"
-                " differentiable must be off), so it cannot be converted."
-            )
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        groups = []
-        for ours, saved in zip(self.param_groups, saved_groups):
-            decoupled = saved.get("decoupled_weight_decay", ours["decoupled_weight_decay"])
-            if decoupled != ours["decoupled_weight_decay"] and saved.get("weight_decay", 0.0) != 0.0:
-                kind = "decoupled (AdamW)" if decoupled else "L2 (Adam)"
-                raise ValueError(
-                    f"{name}.load_state_dict: the saved optimizer used {kind} weight decay, this one does not. Load"
-                    f" it into lightning_pure_bf16.{'AdamW' if decoupled else 'Adam'} instead."
-                )
-            group = {k: v for k, v in ours.items() if k not in ("params", "param_names")}
-            group.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay") if k in saved})
-            group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
-            if "initial_lr" in saved:  # set by an LR scheduler
-                group["initial_lr"] = saved["initial_lr"]
-            groups.append(group)
-        rank_zero_info(
-            f"{name}.load_state_dict: converted a torch.optim state dict ({len(states)} tensor(s) with moments):"
-            f" moments rounded to the parameters' dtype, rounding seed {self.seed},"
-            f" rounding={self.param_groups[0]['rounding']!r}."
-        )
-        return {**sd, "param_groups": groups}
-
-    def _check_saved_formats(self, sd: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.dtype]]]:
-        """Per parameter, the dtypes of its saved state tensors, after checking they suit this optimizer's formats
-        (before anything changes). torch's loader casts every state tensor to the parameter's dtype; the 8-bit codes
-        are cast back after it (their values are small integers, exact in bf16)."""
-        name = type(self).__name__
-        saved_ids = [i for g in sd.get("param_groups", []) for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        out = []
-        for index, p in zip(saved_ids, params):
-            st = sd.get("state", {}).get(index, {})
-            dtypes = {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
-            saved_int8 = dtypes.get("exp_avg") == torch.int8
-            if saved_int8 and not self._int8_moments(p):
-                raise ValueError(
-                    f"{name}.load_state_dict: the state dict holds 8-bit moments (saved with moments='int8'), this"
-                    f" optimizer keeps moments={self.moments!r}. Create it with `moments='int8'`."
-                )
-            if dtypes.get("kahan_comp") == torch.int8 and self.compensation != "int8":
-                raise ValueError(
-                    f"{name}.load_state_dict: the state dict holds an 8-bit Kahan buffer (compensation='int8'), this"
-                    f" optimizer keeps compensation={self.compensation!r}. Create it with `compensation='int8'`."
-                )
-            out.append((p, dtypes))
-        return out
-
-    def _restore_formats(self, saved: list[tuple[torch.Tensor, dict[str, torch.dtype]]]) -> None:
-        for p, dtypes in saved:
-            state = self.state.get(p)
-            if not state:
-                continue
-            for key, dtype in dtypes.items():
-                if key in state and state[key].dtype != dtype and not dtype.is_floating_point:
-                    state[key] = state[key].to(dtype)
-            if sharded.is_dtensor(p):
-                self._compact_scales(p, state)
-            present = {k: state[k] for k in _STORED_KEYS if k in state}
-            state.update(self._encode_float_buffers(p, state["stream"], present))
-
-    def _compact_scales(self, p: torch.Tensor, state: dict[str, Any]) -> None:
-        """8-bit moments of a DTensor parameter loaded from :meth:`state_dict`, where each block scale is saved once per
-        element (so DCP can reshard it like the parameter): back to one scale per block of this rank's shard. Saved at
-        the same sharding, every block's elements carry one scale and the codes stay as they were, bit for bit; saved
-        at another, the moments are decoded with each element's own scale and encoded again in this rank's blocks."""
-        per_element = {k: state[k] for k in _SCALE_KEYS if sharded.is_dtensor(state.get(k))}
-        if not per_element:
-            return
-        n = sharded.local(p).numel()
-        scales = {k: sharded.local(v).reshape(-1).to(torch.bfloat16) for k, v in per_element.items()}
-        compact = {k: v[:: quant.QBLOCK].clone() for k, v in scales.items()}
-        if all(torch.equal(compact[k].repeat_interleave(quant.QBLOCK)[:n], scales[k]) for k in scales):
-            state.update(compact)
-            return
-        for key, decode in (("exp_avg", quant.decode_m), ("exp_avg_sq", quant.decode_v)):
-            codes = sharded.local(state[key]).reshape(-1)
-            unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=codes.device)
-            values = decode(codes, unit) * scales[f"{key}_scale"].float()
-            # Floats, encoded in this rank's blocks by _encode_float_buffers.
-            state[key] = sharded.like(values.view(sharded.local(p).shape), p)
-            del state[f"{key}_scale"]
-
-    def _encode_float_buffers(
-        self, p: torch.Tensor, stream: int, buffers: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Moments or a remainder saved as floats (bf16, float32, torch.optim), for this optimizer's 8-bit formats:
-        encoded once, with noise of the tensor's own stream at step 0 (never an update step). Others unchanged."""
-        seed, offset = self._noise(p)
-        param, dtensor, p = p, sharded.is_dtensor(p), sharded.local(p)
-        out = {k: sharded.local(v) for k, v in buffers.items()}
-        step_keys = [stream_key(seed, stream, 0, b) for b in Buffer]
-        idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
-        changed = set()
-        if self._int8_moments(p) and "exp_avg" in out and out["exp_avg"].is_floating_point():
-            m = out.pop("exp_avg").float().reshape(-1).to(p.device)
-            v = out.pop("exp_avg_sq").float().reshape(-1).to(p.device)
-            m_scale, v_scale = quant.block_scales(m), quant.block_scales(v)
-            out["exp_avg"] = quant.encode_m(m, m_scale, random_bits(step_keys[1], offset, idx)).view(p.shape)
-            out["exp_avg_sq"] = quant.encode_v(v, v_scale, random_bits(step_keys[2], offset, idx)).view(p.shape)
-            out["exp_avg_scale"], out["exp_avg_sq_scale"] = m_scale, v_scale
-            changed |= {"exp_avg", "exp_avg_sq"}
-        comp = out.get("kahan_comp")
-        if comp is not None and self.compensation == "int8" and comp.is_floating_point():
-            c = comp.float().reshape(-1).to(p.device)
-            codes = quant.encode_residual(c, p.detach().reshape(-1), random_bits(step_keys[0], offset, idx))
-            out["kahan_comp"] = codes.view(p.shape)
-            changed.add("kahan_comp")
-        if not dtensor:
-            return out
-        # A DTensor parameter's element-wise buffers stay DTensors sharded like it; its block scales are this rank's.
-        return {
-            k: v if k in _SCALE_KEYS else buffers[k] if k not in changed else sharded.like(v, param)
-            for k, v in out.items()
-        }
-
-    def _check_saved_buffers(self, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-        """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        if len(saved_ids) != len(params):
-            raise ValueError(
-                f"The state dict holds {len(saved_ids)} parameters, this optimizer {len(params)}; it was saved for"
-                " another model."
-            )
-        by_id = dict(zip(saved_ids, params))
-        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        for index, st in state_dict["state"].items():
-            p = by_id[index]
-            buffers = {k: v for k, v in st.items() if k in _STORED_KEYS}
-            for key, value in buffers.items():
-                numel, dtype = self._buffer_spec(p, key)
-                if not isinstance(value, torch.Tensor) or value.numel() != numel:
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(
-                        f"The saved {key!r} of parameter {index} has shape {got}, the parameter {tuple(p.shape)}; the"
-                        " state dict was saved for another model or partitioning."
-                    )
-                if not value.dtype.is_floating_point and dtype.is_floating_point:
-                    raise ValueError(
-                        f"The saved {key!r} of parameter {index} is {value.dtype} (8-bit), this optimizer's state files"
-                        f" hold {dtype}: create it with the saved `moments`/`compensation`, or load the state dict into"
-                        " an optimizer with in-memory states of the saved format and save it again."
-                    )
-            out[p] = buffers
-        return out
-
-    def _load_buffers_into_files(self, saved: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
-        assert self._store is not None
-        # Fresh files for the loaded stream ids: the old files belonged to the replaced state.
-        self._store.release_all()
-        groups = {p: g for g in self.param_groups for p in g["params"]}
-        self.init_states([(p, groups[p]) for p, buffers in saved.items() if buffers])
-        for p, buffers in saved.items():
-            # Floats saved for 8-bit files are encoded first, as in memory.
-            for key, value in self._encode_float_buffers(p, self.state[p]["stream"], buffers).items():
-                if key in self.state[p]:
-                    self.state[p][key].view(-1).copy_(value.reshape(-1))
+        state_dicts.load_state_dict(self, state_dict)
 
 
 # Called with every optimizer of this package once it is built (register_construction_hook): the layers above watch
@@ -1194,40 +805,16 @@ def register_construction_hook(hook: Callable[[AdamW], None]) -> RemovableHandle
     return handle
 
 
-def _saveable(state: dict[str, Any]) -> dict[str, Any]:
-    """One tensor's state with its buffers ``torch.save`` can write: the buffers of one state file share its storage,
-    and torch refuses views of one storage as different dtypes (8-bit codes, bf16 scales), so all but the first dtype
-    are copied out of the file."""
-    first: dict[int, torch.dtype] = {}
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.ndim:
-            ptr = value.untyped_storage().data_ptr()
-            if first.setdefault(ptr, value.dtype) != value.dtype:
-                value = value.clone()
-        out[key] = value
-    return out
-
-
-def _per_element_scales(p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
-    """One tensor's state with its 8-bit block scales repeated for every element of its shard, as a DTensor sharded
-    like the DTensor ``p`` (see :meth:`AdamW.state_dict`); other states unchanged."""
-    if not sharded.is_dtensor(p) or not any(k in state for k in _SCALE_KEYS):
-        return state
-    shard = sharded.local(p)
-    out = dict(state)
-    for key in _SCALE_KEYS:
-        if key in state:
-            per_element = state[key].repeat_interleave(quant.QBLOCK)[: shard.numel()].view(shard.shape)
-            out[key] = sharded.like(per_element, p)
-    return out
-
-
 def _close_storage(store: MmapStateStore, streamers: dict[Any, StateStreamer]) -> None:
     for streamer in streamers.values():
         streamer.close()
     streamers.clear()
     store.close()
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`functional.adamw` takes of a param group."""
+    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "rounding")}
 
 
 class Adam(AdamW):
@@ -1252,22 +839,6 @@ class Adam(AdamW):
     ) -> None:
         self._decoupled_default = decoupled_weight_decay
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
-
-
-def _check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, rounding: Any) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"`{name}(lr=...)` must be a float or a one-element tensor, got shape {tuple(lr.shape)}.")
-        lr = float(lr)
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0.0:
-        raise ValueError(f"`{name}(lr={lr!r})`: the learning rate must be a finite number >= 0.")
-    if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"`{name}(eps={eps!r})`: eps must be a finite number >= 0.")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"`{name}(betas={betas!r})`: both betas must be in [0, 1).")
-    if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"`{name}(weight_decay={weight_decay!r})`: weight decay must be a finite number >= 0.")
-    check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 
 __all__ = ["Adam", "AdamW", "register_construction_hook"]

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_pure_bf16
+import lightning_pure_bf16.collectives
 from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
 
 
@@ -106,7 +107,7 @@ def main(out: Path, opts: dict) -> None:
     clip_seen = record_clipping()
     if opts.get("norm_piece"):
         # Small pieces, so that the gradient norms read every partition in more than one.
-        lightning_pure_bf16._internals.NORM_PIECE = opts["norm_piece"]
+        lightning_pure_bf16.collectives.NORM_PIECE = opts["norm_piece"]
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
     if opts.get("exact"):
         # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every

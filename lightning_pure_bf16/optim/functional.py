@@ -1,0 +1,222 @@
+"""The pure-bf16 AdamW update of one tensor as a function: :func:`adamw` writes ``param`` and its states in place with
+the bits :class:`lightning_pure_bf16.AdamW`'s step writes (the optimizer calls it), for a caller that keeps the state
+itself, as torchao's and optimi's functional forms. Also the choice of backend and its checks, shared by both."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from lightning_utilities.core.imports import RequirementCache
+
+from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_, can_use_fused_cpu, fused_cpu_available
+from lightning_pure_bf16.ops.adamw_torch import (
+    DEFAULT_CHUNK,
+    ROUNDING_MODES,
+    UpdateArgs,
+    adamw_update_torch_,
+    intercepts_operations,
+)
+from lightning_pure_bf16.ops.rng import Buffer, stream_key
+from lightning_pure_bf16.optim.options import check_choice
+
+_TRITON_AVAILABLE = RequirementCache("triton")
+
+
+@torch.no_grad()
+def adamw(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    decoupled_weight_decay: bool = True,
+    rounding: str = "stochastic",
+    kahan_comp: torch.Tensor | None = None,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    seed: int = 0,
+    stream: int = 0,
+    index_offset: int = 0,
+    backend: str = "auto",
+    chunk_size: int = DEFAULT_CHUNK,
+) -> None:
+    """One AdamW (or, with ``decoupled_weight_decay=False``, Adam) update of ``param`` in place, from ``grad``.
+
+    Args:
+        param, grad: the tensor (bf16 or float32) and its gradient, of one shape.
+        exp_avg, exp_avg_sq: its moments, updated in place: the parameter's dtype, or int8/uint8 codes with their
+            block scales ``exp_avg_scale``/``exp_avg_sq_scale`` (:mod:`lightning_pure_bf16.ops.quant`).
+        step: this update's step, counted from 1 (the bias corrections and the rounding noise use it).
+        lr, betas, eps, weight_decay: as :class:`lightning_pure_bf16.AdamW`'s.
+        rounding: ``"stochastic"``, ``"kahan"`` (with ``kahan_comp``, bf16 or int8) or ``"nearest"``.
+        seed, stream: the rounding noise: an optimizer's seed and the tensor's stream (its position among the tensors
+            it updates); the same seed, stream, step and ``index_offset`` draw the same bits on every backend.
+        index_offset: the index of ``param``'s first element in the tensor it is a slice of (its random bits belong to
+            its elements).
+        backend, chunk_size: as :class:`lightning_pure_bf16.AdamW`'s.
+    """
+    check_hyperparameters("adamw", lr, betas, eps, weight_decay, rounding)
+    if rounding == "kahan" and kahan_comp is None and param.dtype == torch.bfloat16:
+        raise ValueError("adamw(rounding='kahan') needs `kahan_comp`, the buffer of the remainders (zeros to start).")
+    args = update_args(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled_weight_decay,
+        rounding=rounding,
+        step=step,
+        seed=seed,
+        stream=stream,
+    )
+    scales = {
+        k: v for k, v in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)) if v is not None
+    }
+    update = update_function(resolve_backend(backend, param, grad), chunk_size)
+    comp = kahan_comp if rounding == "kahan" else None
+    update(param, grad, exp_avg, exp_avg_sq, comp, args, index_offset=index_offset, **scales)
+
+
+def update_args(
+    *,
+    lr: Any,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    rounding: str,
+    step: int,
+    seed: int,
+    stream: int,
+) -> UpdateArgs:
+    """The scalars of one update (:class:`~lightning_pure_bf16.ops.adamw_torch.UpdateArgs`), its noise keys included."""
+    beta1, beta2 = betas
+    return UpdateArgs(
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        decoupled=bool(decoupled_weight_decay),
+        step=step,
+        rounding=rounding,
+        keys=tuple(stream_key(seed, stream, step, b) for b in Buffer),  # type: ignore[arg-type]
+    )
+
+
+def triton_available() -> bool:
+    """Whether Triton imports here."""
+    return bool(_TRITON_AVAILABLE)
+
+
+def update_function(backend: str, chunk_size: int = DEFAULT_CHUNK) -> Callable[..., None]:
+    """The update of a resolved backend (``"triton"``, ``"cpu"``, ``"torch"``)."""
+    if backend == "triton":
+        return _triton_update()
+    if backend == "cpu":
+        return adamw_update_cpu_
+    return partial(adamw_update_torch_, chunk_size=chunk_size)
+
+
+def resolve_backend(backend: str, p: torch.Tensor, grad: torch.Tensor, *, name: str = "adamw") -> str:
+    """The backend that updates ``p`` (``"triton"``, ``"cpu"`` or ``"torch"``) for the choice ``backend``, after
+    checking that ``p`` and ``grad`` can be updated in place (plain dense tensors of one shape, not on the meta device);
+    ``name`` is who asks, for the messages."""
+    refuse_subclass(name, p, "a parameter")
+    refuse_subclass(name, grad, "the gradient of a parameter")
+    if p.is_meta or grad.is_meta:
+        what = "a parameter" if p.is_meta else "the gradient of a parameter"
+        raise RuntimeError(
+            f"{name}: {what} of shape {tuple(p.shape)} is on the meta device and has no values to update."
+            " Materialize the model first (`model.to_empty(device=...)`, then initialize its weights) and build"
+            " the optimizer over its parameters."
+        )
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"{name} does not support sparse gradients (a parameter of shape {tuple(p.shape)} has"
+            " one): use dense gradients (`nn.Embedding(..., sparse=False)`) or `torch.optim.SparseAdam`."
+        )
+    if grad.shape != p.shape:
+        raise RuntimeError(f"Gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(p.shape)}.")
+    if p.dtype != torch.bfloat16 or backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not _triton_can_run(p):
+            raise RuntimeError(
+                f"`backend='triton'` needs CUDA tensors (got a tensor on {p.device}); use `backend='torch'` or set"
+                " TRITON_INTERPRET=1 before importing to run the kernel on the CPU."
+            )
+        return "triton"
+    fused_cpu_ok = can_use_fused_cpu(p, grad)
+    if backend == "cpu":
+        if not fused_cpu_ok:
+            raise RuntimeError(
+                "`backend='cpu'` needs contiguous bf16 CPU tensors for the parameter and its gradient (got"
+                f" {p.dtype} on {p.device}, gradient {grad.dtype}); use `backend='auto'` or `backend='torch'`."
+            )
+        if not fused_cpu_available():
+            raise RuntimeError(
+                "`backend='cpu'`: the fused CPU loop did not compile (see the warning above); use `backend='torch'`."
+            )
+        return "cpu"
+    if p.is_cuda and _TRITON_AVAILABLE:
+        return "triton"
+    if fused_cpu_ok and fused_cpu_available():
+        return "cpu"
+    return "torch"
+
+
+def _triton_update() -> Callable[..., None]:
+    if not _TRITON_AVAILABLE:
+        raise ModuleNotFoundError(
+            f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
+        )
+    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
+
+    return adamw_update_triton_
+
+
+def _triton_can_run(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:
+    """The update writes each element in place, through raw memory on the CPU and in Triton: a tensor subclass that
+    intercepts operations and holds no memory of its own would be written past, or crash the CPU loop. DTensors are
+    taken apart before this check (their local shard is a plain tensor)."""
+    if intercepts_operations(t):
+        raise TypeError(
+            f"{name} updates plain tensors and DTensors in place; {what} of shape {tuple(t.shape)} is a"
+            f" {type(t).__name__}, a tensor subclass that intercepts operations and may hold no memory of its own."
+            " Give the optimizer plain tensors or DTensors (FSDP2's `fully_shard`, tensor parallelism), or train with"
+            " `strategy='deepspeed_pure_bf16'`, which shards the parameters itself."
+        )
+
+
+def check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, rounding: Any) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"`{name}(lr=...)` must be a float or a one-element tensor, got shape {tuple(lr.shape)}.")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0.0:
+        raise ValueError(f"`{name}(lr={lr!r})`: the learning rate must be a finite number >= 0.")
+    if not math.isfinite(eps) or eps < 0.0:
+        raise ValueError(f"`{name}(eps={eps!r})`: eps must be a finite number >= 0.")
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"`{name}(betas={betas!r})`: both betas must be in [0, 1).")
+    if not math.isfinite(weight_decay) or weight_decay < 0.0:
+        raise ValueError(f"`{name}(weight_decay={weight_decay!r})`: weight decay must be a finite number >= 0.")
+    check_choice(name, "rounding", rounding, ROUNDING_MODES)
+
+
+__all__ = ["adamw", "check_hyperparameters", "refuse_subclass", "resolve_backend", "update_args", "update_function"]
