@@ -68,6 +68,7 @@ ARMS = {
     "pure_bf16": "this strategy (Fabric), stochastic rounding",
     "ds_bf16_mixed": "DeepSpeed ZeRO-3 bf16 mixed (what Lightning's DeepSpeedStrategy runs)",
     "pure_bf16_world_size": "this strategy's checkpoint resumed at another world size: 2 ranks to 1, then 1 to 2",
+    "pure_bf16_world_size_trainer": "the same through Lightning's Trainer (`trainer.fit(ckpt_path=...)`)",
 }
 WORLD_SIZE_PHASES = ("resume 2 ranks to 1", "resume 1 rank to 2")
 PHASES = (
@@ -150,6 +151,72 @@ def _run_ours(spec: Spec, work: Path, phases: _Phases, shard: str) -> None:
         lightning_pure_bf16.save_pretrained(model, work / "ours_hf", max_shard_size=shard)
     with phases.phase("resume"):
         fabric.load(work / "ours.ckpt", state)
+
+
+def _run_world_size_trainer(spec: Spec, work: Path, phases: _Phases, stage: str) -> None:
+    """The world-size arm through Lightning's Trainer: ``source`` (2 ranks fit the first steps and save), ``to1`` (1
+    rank: ``fit(ckpt_path=...)`` of that checkpoint at its last step, so the fit only loads it; measured around the
+    strategy's ``load_checkpoint``; then saved again), ``to2`` (2 ranks resume the 1-rank checkpoint)."""
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, repartition
+
+    readers: list = []
+    opened = repartition.ZeroCheckpoint.__init__
+
+    def record(self, *args, **kwargs) -> None:
+        opened(self, *args, **kwargs)
+        readers.append(self)
+
+    repartition.ZeroCheckpoint.__init__ = record
+
+    class GPTModule(LightningModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "gpt"):
+                self.gpt = _gpt(spec)  # partitioned as it is built (the strategy's zero.Init)
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.gpt(x).float().flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.AdamW(self.parameters(), lr=spec.lr, weight_decay=0.1)
+
+    strategy = DeepSpeedPureBF16Strategy()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=spec.world_size,
+        strategy=strategy,
+        max_steps=spec.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    x, y = (torch.cat(t) for t in zip(*_batches(spec, torch.device("cpu"))))
+    data = DataLoader(TensorDataset(x, y), batch_size=spec.batch_size)
+    if stage == "source":
+        trainer.fit(GPTModule(), data)
+        trainer.save_checkpoint(work / "trainer_world_size_2.ckpt")
+        return
+    source, phase = ("trainer_world_size_2.ckpt", WORLD_SIZE_PHASES[0])
+    if stage == "to2":
+        source, phase = ("trainer_world_size_1.ckpt", WORLD_SIZE_PHASES[1])
+    load = strategy.load_checkpoint
+
+    def measured_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with phases.phase(phase):
+            return load(*args, **kwargs)
+
+    strategy.load_checkpoint = measured_load
+    trainer.fit(GPTModule(), data, ckpt_path=str(work / source))
+    read = [getattr(r, "bytes_read", None) for r in readers]
+    phases.rows[-1]["bytes_read"] = None if None in read else sum(read)
+    phases.rows[-1]["checkpoint_bytes"] = sum(f.stat().st_size for f in (work / source / "checkpoint").glob("*.pt"))
+    if stage == "to1":
+        trainer.save_checkpoint(work / "trainer_world_size_1.ckpt")
 
 
 def _run_world_size(spec: Spec, work: Path, phases: _Phases, stage: str) -> None:
@@ -238,7 +305,9 @@ def worker(arm: str, spec: Spec, work: Path, shard: str) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     phases = _Phases()
-    if arm.startswith("pure_bf16_world_size:"):
+    if arm.startswith("pure_bf16_world_size_trainer:"):
+        _run_world_size_trainer(spec, work, phases, arm.split(":")[1])
+    elif arm.startswith("pure_bf16_world_size:"):
         _run_world_size(spec, work, phases, arm.split(":")[1])
     else:
         (_run_ours if arm == "pure_bf16" else _run_deepspeed)(spec, work, phases, shard)
@@ -282,12 +351,12 @@ def _launch(arm: str, spec: Spec, work: Path, shard: str, timeout_s: float) -> l
     return ranks
 
 
-def _launch_world_sizes(spec: Spec, work: Path, shard: str, timeout_s: float) -> list[list[dict]]:
-    """The world-size arm's three launches; per rank of 2, its rows (rank 0 also the 2 -> 1 resume's)."""
+def _launch_world_sizes(arm: str, spec: Spec, work: Path, shard: str, timeout_s: float) -> list[list[dict]]:
+    """A world-size arm's three launches; per rank of 2, its rows (rank 0 also the 2 -> 1 resume's)."""
     one = replace(spec, world_size=1)
-    _launch("pure_bf16_world_size:source", spec, work, shard, timeout_s)
-    (to1,) = _launch("pure_bf16_world_size:to1", one, work, shard, timeout_s)
-    to2 = _launch("pure_bf16_world_size:to2", spec, work, shard, timeout_s)
+    _launch(f"{arm}:source", spec, work, shard, timeout_s)
+    (to1,) = _launch(f"{arm}:to1", one, work, shard, timeout_s)
+    to2 = _launch(f"{arm}:to2", spec, work, shard, timeout_s)
     return [to1 + to2[0], to2[1]]
 
 
@@ -355,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{arm}: running ...", flush=True)
             try:
-                if arm == "pure_bf16_world_size":
-                    ranks = _launch_world_sizes(spec, work, shard, args.timeout)
+                if arm.startswith("pure_bf16_world_size"):
+                    ranks = _launch_world_sizes(arm, spec, work, shard, args.timeout)
                 else:
                     ranks = _launch(arm, spec, work, shard, args.timeout)
             except RuntimeError as err:  # a rank that died (killed for memory, say): said in the report, not hidden
@@ -470,8 +539,10 @@ def _report(args, argv, spec: Spec, shard: str, largest: int, done: dict, stem: 
         if arm == "ds_bf16_mixed":
             lines.append("| ds_bf16_mixed | load pretrained | | | | | no way into the partitions | |")
     lines += ["", "## The bounds", ""]
-    moved = done.get("pure_bf16_world_size")
-    if moved is not None and "failed" not in moved:
+    for arm in ("pure_bf16_world_size", "pure_bf16_world_size_trainer"):
+        moved = done.get(arm)
+        if moved is None or "failed" in moved:
+            continue
         for rank, phases in enumerate(moved["ranks"]):
             for row in (r for r in phases if r["phase"] in WORLD_SIZE_PHASES):
                 rise = row["peak_bytes"] - row["start_bytes"]
@@ -480,10 +551,11 @@ def _report(args, argv, spec: Spec, shard: str, largest: int, done: dict, stem: 
                 share = row["checkpoint_bytes"] / ranks_after
                 read = "not counted" if row["bytes_read"] is None else f"{row['bytes_read'] / 2**20:,.0f} MiB"
                 times = "" if row["bytes_read"] is None else f" ({row['bytes_read'] / share:.2f} x this rank's share)"
+                verdict = "met" if rise <= bound else "MISSED"
                 lines.append(
-                    f"- Rank {rank}, {row['phase']}: rise {rise / 2**20:,.0f} MiB, bound twice the largest tensor +"
-                    f" 128 MiB = {bound / 2**20:,.0f} MiB: {'met' if rise <= bound else 'MISSED'}; read {read} of the"
-                    f" checkpoint's {row['checkpoint_bytes'] / 2**20:,.0f} MiB of state files{times}."
+                    f"- {arm}, rank {rank}, {row['phase']}: rise {rise / 2**20:,.0f} MiB, bound twice the largest"
+                    f" tensor + 128 MiB = {bound / 2**20:,.0f} MiB: {verdict}; read {read} of the checkpoint's"
+                    f" {row['checkpoint_bytes'] / 2**20:,.0f} MiB of state files{times}."
                 )
     ours = done.get("pure_bf16")
     if ours is not None and "failed" not in ours:

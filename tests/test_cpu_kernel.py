@@ -63,7 +63,7 @@ def test_fused_cpu_loop_equals_torch_path_with_non_finite_values(rounding, loops
 def test_auto_picks_the_fused_loop_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        "lightning_pure_bf16.optim.adamw.adamw_update_cpu_",
+        "lightning_pure_bf16.optim.functional.adamw_update_cpu_",
         lambda *a, **k: calls.append(a) or adamw_cpu.adamw_update_cpu_(*a, **k),
     )
     _run(AdamW, (10,), "stochastic", "auto", steps=1)
