@@ -106,4 +106,17 @@ def prepare_for_zero3(optimizer: AdamW, *, base_seed: int | None, global_rank: i
     optimizer.check_nonfinite = False
 
 
-__all__ = ["ADOPTABLE", "adopt_optimizer", "prepare_for_zero3", "rebind_scheduler"]
+def adopt_for_zero3(
+    optimizer: Optimizer, scheduler: Any, options: OptimizerOptions, *, who: str, source: str, global_rank: int
+) -> AdamW:
+    """What a Lightning front end does with the optimizer it is given before ZeRO-3 takes it: adopted
+    (:func:`adopt_optimizer`), the scheduler built on it (if any) rebound to the adopted one, and prepared for rank
+    ``global_rank`` (:func:`prepare_for_zero3`, with the options' seed)."""
+    adopted = adopt_optimizer(optimizer, options, who=who, source=source)
+    if scheduler is not None and adopted is not optimizer:
+        rebind_scheduler(scheduler, adopted)
+    prepare_for_zero3(adopted, base_seed=options.seed, global_rank=global_rank)
+    return adopted
+
+
+__all__ = ["ADOPTABLE", "adopt_for_zero3", "adopt_optimizer", "prepare_for_zero3", "rebind_scheduler"]

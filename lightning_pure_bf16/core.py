@@ -187,6 +187,29 @@ def on_cpu(accelerator: Any, *, cpu_cls: type, cuda_cls: type, api: str, strateg
     return isinstance(accelerator, cpu_cls)
 
 
+def register_presets(registry: Any, cls: type) -> None:
+    """Register ``cls`` under every preset's name (:data:`PRESETS`) in a Lightning strategy registry; importing the
+    package twice (or reloading it) registers the same class again, harmlessly."""
+    for name, (description, init_params) in PRESETS.items():
+        registry.register(name, cls, description=description, override=True, **init_params)
+
+
+def set_up_environment(
+    strategy: Any, precision: Any, ddp_setup: Callable[[Any], None], *, api: str, cpu_cls: type, cuda_cls: type
+) -> None:
+    """A Lightning front end's environment, the Trainer's and Fabric's alike: CUDA or the CPU (any other accelerator
+    refused), the device's settings in the DeepSpeed config, DDP's set-up ``ddp_setup(strategy)`` in place of
+    Lightning's DeepSpeed one (which refuses every accelerator but CUDA), and on the CPU the fused optimizer loop made
+    ready (compiled by one rank of a machine while the others wait)."""
+    cpu = on_cpu(
+        strategy.accelerator, cpu_cls=cpu_cls, cuda_cls=cuda_cls, api=api, strategy_name=strategy.strategy_name
+    )
+    strategy.settings.configure_device(strategy.config, precision, on_cpu=cpu)
+    ddp_setup(strategy)
+    if cpu:
+        strategy.settings.prepare_cpu_loop(strategy.local_rank, strategy.barrier)
+
+
 class PureBF16Settings:
     """The options of a front end, resolved and checked once, and the DeepSpeed config built from them.
 
@@ -787,6 +810,8 @@ __all__ = [
     "PRESETS",
     "check_zero3_arguments",
     "PureBF16Settings",
+    "register_presets",
+    "set_up_environment",
     "EngineRun",
     "after_engine_setup",
     "on_cpu",

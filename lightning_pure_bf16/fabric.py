@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_pure_bf16 import _internals, collectives, core
 from lightning_pure_bf16._warnings import silence_known_warnings
-from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
+from lightning_pure_bf16.adoption import adopt_for_zero3
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.hf_models import partitioned_construction
 from lightning_pure_bf16.optim.options import OptimizerOptions
@@ -150,8 +150,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (description, init_params) in core.PRESETS.items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+        core.register_presets(strategy_registry, cls)
 
     # -------------------------------------------------------------------------------------------------- precision
     @property
@@ -175,18 +174,14 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     # ---------------------------------------------------------------------------------------- environment (CPU too)
     @override
     def setup_environment(self) -> None:
-        on_cpu = core.on_cpu(
-            self.accelerator,
+        core.set_up_environment(
+            self,
+            self.precision,
+            DDPStrategy.setup_environment,
+            api="Fabric",
             cpu_cls=CPUAccelerator,
             cuda_cls=CUDAAccelerator,
-            api="Fabric",
-            strategy_name=self.strategy_name,
         )
-        self.settings.configure_device(self.config, self.precision, on_cpu=on_cpu)
-        # Fabric's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
-        DDPStrategy.setup_environment(self)
-        if on_cpu:
-            self.settings.prepare_cpu_loop(self.local_rank, self.barrier)
 
     @override
     def _setup_distributed(self) -> None:
@@ -226,10 +221,14 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
                 f" {len(optimizers)}. Put the parameters of all of them into param groups of one torch.optim.AdamW."
             )
         who = f"Fabric(strategy='{self.strategy_name}')"
-        optimizer = adopt_optimizer(optimizers[0], self.optimizer_options, who=who, source="fabric.setup")
-        if scheduler is not None and optimizer is not optimizers[0]:
-            rebind_scheduler(scheduler, optimizer)
-        prepare_for_zero3(optimizer, base_seed=self.optimizer_options.seed, global_rank=self.global_rank)
+        optimizer = adopt_for_zero3(
+            optimizers[0],
+            scheduler,
+            self.optimizer_options,
+            who=who,
+            source="fabric.setup",
+            global_rank=self.global_rank,
+        )
         self._deepspeed_engine, _, scheduler = self._initialize_engine(module, optimizer, scheduler)
         self._set_deepspeed_activation_checkpointing()
         self._run = core.after_engine_setup(

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
-from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
+from lightning_pure_bf16.adoption import adopt_for_zero3
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.hf_models import partitioned_construction
 from lightning_pure_bf16.optim.adamw import AdamW
@@ -218,9 +218,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (description, init_params) in core.PRESETS.items():
-            # override=True: importing the package twice (or reloading it) re-registers the same class harmlessly.
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+        core.register_presets(strategy_registry, cls)
 
     # -------------------------------------------------------------------------------------------------- precision
     @property
@@ -244,18 +242,14 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     # ---------------------------------------------------------------------------------------- environment (CPU too)
     @override
     def setup_environment(self) -> None:
-        on_cpu = core.on_cpu(
-            self.accelerator,
+        core.set_up_environment(
+            self,
+            self.precision_plugin,
+            DDPStrategy.setup_environment,
+            api="Trainer",
             cpu_cls=CPUAccelerator,
             cuda_cls=CUDAAccelerator,
-            api="Trainer",
-            strategy_name=self.strategy_name,
         )
-        self.settings.configure_device(self.config, self.precision_plugin, on_cpu=on_cpu)
-        # Lightning's DeepSpeedStrategy refuses every accelerator but CUDA; skip that check, keep DDP's setup.
-        DDPStrategy.setup_environment(self)
-        if on_cpu:
-            self.settings.prepare_cpu_loop(self.local_rank, self.barrier)
 
     @override
     def setup_distributed(self) -> None:
@@ -318,10 +312,15 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         optimizer, scheduler_config = super()._init_optimizers()
         who = f"Trainer(strategy='{self.strategy_name}')"
-        converted = adopt_optimizer(optimizer, self.optimizer_options, who=who, source="configure_optimizers")
-        if scheduler_config is not None and converted is not optimizer:
-            rebind_scheduler(scheduler_config.scheduler, converted)
-        prepare_for_zero3(converted, base_seed=self.seed, global_rank=self.global_rank)
+        scheduler = scheduler_config.scheduler if scheduler_config is not None else None
+        converted = adopt_for_zero3(
+            optimizer,
+            scheduler,
+            self.optimizer_options,
+            who=who,
+            source="configure_optimizers",
+            global_rank=self.global_rank,
+        )
         return converted, scheduler_config
 
     @override
