@@ -220,8 +220,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("self", "params_to_release", "grad_partitions"),
     ),
     PrivateName(_STAGE3, "zero_grad", "method", "gradients cleared at the released step", ("self", "set_to_none")),
-    PrivateName(_STAGE3, "_set_fp32_optimizer_param_groups", "method", "the groups filled for a load", ("self",)),
-    PrivateName(_STAGE3, "_clear_fp32_optimizer_param_groups", "method", "and emptied after it", ("self",)),
     # Lightning: methods of DeepSpeedStrategy the Trainer strategy overrides or calls
     PrivateName(_LIGHTNING_DS, "_load_config", "method", "reads the user's DeepSpeed config", ("self", "config")),
     PrivateName(_LIGHTNING_DS, "_init_deepspeed_distributed", "method", "the CPU (gloo) process group", ("self",)),
@@ -945,17 +943,6 @@ def zero3_partitioned_for_load(zero_optimizer: Any) -> Iterator[None]:
     _read(zero_optimizer, "checkpoint_event_epilogue", "re-gather persistent parameters after a load")()
 
 
-@contextmanager
-def zero3_inner_params_in_groups(zero_optimizer: Any) -> Iterator[None]:
-    """ZeRO-3 keeps the inner optimizer's param groups empty between steps; within this context each group holds its
-    sub-group partitions, in sub-group order (as DeepSpeed does around the inner ``state_dict``/``load_state_dict``)."""
-    _read(zero_optimizer, "_set_fp32_optimizer_param_groups", "the inner optimizer's groups filled for a load")()
-    try:
-        yield
-    finally:
-        _read(zero_optimizer, "_clear_fp32_optimizer_param_groups", "the inner optimizer's groups emptied")()
-
-
 def zero3_step_skipped(zero_optimizer: Any) -> bool:
     """Whether ZeRO-3's last step skipped its update (an inf/NaN gradient), the flag its engine reads after the step."""
     return bool(_read(zero_optimizer, "overflow", "the skipped-step flag the engine reads"))
@@ -1078,11 +1065,6 @@ def set_engine_counters(engine: Any, *, global_steps: int, global_samples: int, 
     ):
         _read(engine, name, "restored by a repartitioning load")
         setattr(engine, name, value)
-
-
-def engine_skipped_steps(engine: Any) -> int:
-    """How many steps the DeepSpeed engine skipped because a gradient was inf/NaN."""
-    return int(_read(engine, "skipped_steps", "steps skipped on inf/NaN"))
 
 
 # ------------------------------------------------------------------------------------------------------ Lightning
@@ -1541,7 +1523,6 @@ __all__ = [
     "checkpoint_safe_globals",
     "dcp_metadata_global",
     "deepspeed_checkpoint_reads",
-    "engine_skipped_steps",
     "fabric_dataloader",
     "fabric_unwrap",
     "fill_data_parallel_size",

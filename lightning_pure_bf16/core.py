@@ -684,15 +684,10 @@ def save_checkpoint(
         )
 
     # The sub-groups' layout, so a resume at the same world size and layout knows it without reading a rank file.
-    layout = _lists(live_layout(engine.optimizer))
+    layout = live_layout(engine.optimizer)
     save_staged(
         filepath, write, world_size=world_size, is_global_zero=is_global_zero, barrier=barrier, layout=layout, **info
     )
-
-
-def _lists(layout: list[list[tuple[str, int]]]) -> list[list[list[Any]]]:
-    """A layout as the manifest's JSON holds it."""
-    return [[list(entry) for entry in sub] for sub in layout]
 
 
 def _verify_shared(files: list[Path], rank: int, world_size: int, device: torch.device, trust: bool) -> None:
@@ -744,18 +739,18 @@ def load_checkpoint(
         checkpoint_path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint, verify_checksums=False
     )
     _verify_shared(state_files(directory, manifest), rank, world_size, engine.device, trust_checkpoint)
-    live = _lists(live_layout(engine.optimizer))
+    live = live_layout(engine.optimizer)
     try:
+        saved = None
         if manifest is not None and "layout" in manifest:  # written at save since the layout was recorded
             same_layout = manifest["world_size"] == world_size and manifest["layout"] == live
         else:
             saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
-            same_layout = manifest is not None and saved.world_size == world_size and _lists(saved.layout()) == live
+            same_layout = manifest is not None and saved.world_size == world_size and saved.layout() == live
         if not same_layout:
-            saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
-            loaded = load_repartitioned(
-                saved, engine.optimizer, rank=rank, world_size=world_size, load_optimizer_states=load_optimizer_states
-            )
+            if saved is None:
+                saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
+            loaded = load_repartitioned(saved, engine.optimizer, rank=rank, load_optimizer_states=load_optimizer_states)
     except RepartitionError as err:
         raise CheckpointError(str(err)) from err
     if same_layout:

@@ -139,7 +139,6 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         # apply to every step before the first such call (and not after it).
         self.config.setdefault("gradient_clipping", 0.0)
         self._backward_sync_control = _EveryBackwardReduces()
-        self._run: core.EngineRun | None = None
         self._max_norm: float | None = None
 
     @property
@@ -231,7 +230,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         )
         self._deepspeed_engine, _, scheduler = self._initialize_engine(module, optimizer, scheduler)
         self._set_deepspeed_activation_checkpointing()
-        self._run = core.after_engine_setup(
+        core.after_engine_setup(  # held on the engine: engine.pure_bf16
             self._deepspeed_engine,
             self.strategy_name,
             self.root_device,
@@ -410,7 +409,8 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     def peak_memory(self) -> dict[str, Any] | None:
         """This rank's peak memory since ``fabric.setup``, measured, beside its model state (see
         :meth:`lightning_pure_bf16.DeepSpeedPureBF16Strategy.peak_memory`)."""
-        return self._run.peak_memory() if self._run is not None else None
+        run = core.engine_run(self._deepspeed_engine)
+        return run.peak_memory() if run is not None else None
 
 
 __all__ = ["DeepSpeedPureBF16FabricStrategy"]

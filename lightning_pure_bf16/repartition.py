@@ -282,9 +282,9 @@ class ZeroCheckpoint:
         pieces = [self._flat(r, place.sub_group, key).narrow(0, place.offset, part) for r in range(self.world_size)]
         return torch.cat(pieces)[: place.numel].view(place.shape)
 
-    def layout(self) -> list[list[tuple[str, int]]]:
-        """``(name, numel)`` per sub-group, as saved."""
-        return [[(name, self.places[name].numel) for name in names] for names in self.sub_groups]
+    def layout(self) -> list[list[list[Any]]]:
+        """``[name, numel]`` per parameter of each sub-group, as saved (the shape of the manifest's ``layout``)."""
+        return [[[name, self.places[name].numel] for name in names] for names in self.sub_groups]
 
     def client_state(self) -> dict[str, Any]:
         """What DeepSpeed's load returns to Lightning: the model-state file without DeepSpeed's own keys."""
@@ -318,9 +318,10 @@ def _load(path: Path, trust: bool) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def live_layout(zero_optimizer: Any) -> list[list[tuple[str, int]]]:
-    """``(name, numel)`` per sub-group of a live ZeRO-3 optimizer (compare with :meth:`ZeroCheckpoint.layout`)."""
-    return [[(name, numel) for name, numel, _ in sub.params] for sub in _internals.zero3_layout(zero_optimizer)]
+def live_layout(zero_optimizer: Any) -> list[list[list[Any]]]:
+    """``[name, numel]`` per parameter of each sub-group of a live ZeRO-3 optimizer (compare with
+    :meth:`ZeroCheckpoint.layout`)."""
+    return [[[name, numel] for name, numel, _ in sub.params] for sub in _internals.zero3_layout(zero_optimizer)]
 
 
 # Elements of a live partition written at a time (a multiple of ops.quant.QBLOCK): a piece's temporaries, a few bytes
@@ -398,7 +399,7 @@ def _gathered(
 
 @torch.no_grad()
 def load_repartitioned(
-    checkpoint: ZeroCheckpoint, zero_optimizer: Any, *, rank: int, world_size: int, load_optimizer_states: bool = True
+    checkpoint: ZeroCheckpoint, zero_optimizer: Any, *, rank: int, load_optimizer_states: bool = True
 ) -> str:
     """Write ``checkpoint`` into this rank's partitions of a live ZeRO-3 optimizer; returns what was loaded, in words.
 

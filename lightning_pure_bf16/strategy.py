@@ -182,7 +182,6 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         )
         self.config = self.settings.deepspeed_config(self.config)
         self.trust_checkpoint = bool(trust_checkpoint)
-        self._run: core.EngineRun | None = None
 
     @property
     def optimizer_options(self) -> OptimizerOptions:
@@ -326,7 +325,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
-        self._run = core.after_engine_setup(
+        core.after_engine_setup(  # held on the engine: engine.pure_bf16
             self.deepspeed_engine,
             self.strategy_name,
             self.root_device,
@@ -440,13 +439,15 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             ``model_state_per_param`` and ``source`` (CUDA's allocator, or the CPU's resident set); ``None`` before
             setup or where no peak can be measured.
         """
-        return self._run.peak_memory() if self._run is not None else None
+        run = core.engine_run(self.deepspeed_engine)
+        return run.peak_memory() if run is not None else None
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self._run is not None:
-            self._run.log_peak_memory()
+        run = core.engine_run(self.deepspeed_engine)
+        if run is not None:
+            run.log_peak_memory()
 
 
 __all__ = ["STATE_DIR_ENV", "DeepSpeedPureBF16Strategy"]
