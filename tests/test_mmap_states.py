@@ -186,7 +186,7 @@ def test_cpu_updates_in_the_mapping_with_each_chunk_brought_in_first(tmp_path, m
     ]
     assert [off for _, _, off in calls] == [0, 1024, 2048, 3072, 4096]
     assert all(c[:2] in brought_in for c in calls)
-    assert all(not b for s in opt._streamers.values() for b in s.host)
+    assert all(not b for s in opt._storage.streamers.values() for b in s.host)
     opt.close()
 
 

@@ -499,8 +499,8 @@ def test_mmap_states_leave_4_bytes_per_param_in_memory(mmap_run):
         assert report["exp_avg"] == report["exp_avg_sq"] == 0.0
         # An independent walk of what the ZeRO optimizer holds in memory: parameters and gradients only (on the CPU
         # the update works in the files' mapping: no streaming slots either).
-        slots = [(n, d, b) for n, d, b in _state_buffers(r) if "._streamers." in n]
-        buffers = [(n, d, b) for n, d, b in _state_buffers(r) if "._streamers." not in n]
+        slots = [(n, d, b) for n, d, b in _state_buffers(r) if "._storage.streamers." in n]
+        buffers = [(n, d, b) for n, d, b in _state_buffers(r) if "._storage.streamers." not in n]
         assert slots == [], slots
         assert all(dtype == torch.bfloat16 for _, dtype, _ in buffers), buffers
         assert sum(b for _, _, b in buffers) / report["params_on_rank"] <= 4.0 + 1e-9, buffers

@@ -7,7 +7,6 @@ CUDA tensors, a chunked PyTorch path everywhere else), which draw identical rand
 from __future__ import annotations
 
 import os
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -17,31 +16,15 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pure_bf16.ops import quant
-from lightning_pure_bf16.ops.adamw_cpu import (
-    any_nonfinite_cpu,
-    can_use_fused_cpu,
-    fused_cpu_available,
-)
-from lightning_pure_bf16.ops.adamw_torch import (
-    DEFAULT_CHUNK,
-    UpdateArgs,
-)
-from lightning_pure_bf16.ops.rng import draw_seed, rank_seed
-from lightning_pure_bf16.optim import functional, sharded, state_dicts
-from lightning_pure_bf16.optim.mmap_states import (
-    DEFAULT_STATE_CHUNK,
-    MmapStateStore,
-    StateStreamer,
-    check_state_dir,
-    read_ahead,
-)
+from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
+from lightning_pure_bf16.ops.adamw_torch import DEFAULT_CHUNK
+from lightning_pure_bf16.ops.rng import draw_seed
+from lightning_pure_bf16.optim import functional, sharded, state_dicts, storage
+from lightning_pure_bf16.optim.mmap_states import DEFAULT_STATE_CHUNK
 from lightning_pure_bf16.optim.options import (
-    BACKENDS,
-    UNSUPPORTED_TORCH_OPTIONS,
     OptimizerOptions,
-    check_choice,
-    check_seed,
-    unsupported_torch_options,
+    check_power_of_two,
+    check_torch_arguments,
 )
 from lightning_pure_bf16.optim.state_dicts import BUFFER_KEYS as _BUFFER_KEYS
 from lightning_pure_bf16.optim.state_dicts import SCALE_KEYS as _SCALE_KEYS
@@ -65,6 +48,7 @@ _COPIED_ATTRIBUTES = (
     "compensation",
     "_next_stream",
     "_closed",
+    "_storage",
 )
 
 
@@ -148,49 +132,27 @@ class AdamW(Optimizer):
         **unsupported: Any,
     ) -> None:
         name = type(self).__name__
-        for option in unsupported:
-            if option not in UNSUPPORTED_TORCH_OPTIONS:
-                raise TypeError(f"{name}() got an unexpected keyword argument {option!r}.")
-        for option, value in unsupported_torch_options(unsupported).items():
-            raise ValueError(
-                f"`{name}({option}={value!r})` is not supported by the pure-bf16 optimizer. Remove `{option}` or"
-                " use a torch.optim optimizer with fp32 master weights."
-            )
-        if foreach or fused:
-            flag = "foreach" if foreach else "fused"
-            raise ValueError(
-                f"`{name}({flag}=True)` selects a torch.optim implementation; the pure-bf16 optimizer picks its own."
-                " Use `backend='triton'` or `backend='torch'` instead."
-            )
-        check_choice(name, "backend", backend, BACKENDS)
-        if chunk_size <= 0 or chunk_size & (chunk_size - 1):
-            raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size}.")
-        check_seed(name, seed)
+        check_torch_arguments(name, unsupported, foreach=foreach, fused=fused)
+        check_power_of_two(name, "chunk_size", chunk_size)
         if backend == "triton" and not functional.triton_available():
             functional.update_function("triton")  # says what is missing
         functional.check_hyperparameters(name, lr, betas, eps, weight_decay, rounding)
         OptimizerOptions(
             rounding=rounding,
+            seed=seed,
             backend=backend,
             state_storage=state_storage,
             state_dir=None if state_dir is None else os.fspath(state_dir),
             moments=moments,
             compensation=compensation,
         ).check(name)
-        if state_chunk_size < 1024 or state_chunk_size & (state_chunk_size - 1):
-            raise ValueError(f"`state_chunk_size` must be a power of two >= 1024, got {state_chunk_size}.")
+        check_power_of_two(name, "state_chunk_size", state_chunk_size, minimum=1024)
         self.state_storage = state_storage
         self.state_chunk_size = state_chunk_size
         self.moments = moments
         self.compensation = compensation
-        self._store: MmapStateStore | None = None
-        self._streamers: dict[tuple[torch.device, torch.dtype, int], StateStreamer] = {}
         self._closed = False
-        if state_storage == "mmap":
-            who = f"{name}(state_storage='mmap', state_dir={os.fspath(state_dir)!r})"  # type: ignore[arg-type]
-            self._store = MmapStateStore(check_state_dir(state_dir, who=who), who=who)  # type: ignore[arg-type]
-            # Files are removed when the optimizer is closed, garbage-collected, or the interpreter exits.
-            self._finalizer = weakref.finalize(self, _close_storage, self._store, self._streamers)
+        self._storage = storage.make(state_storage, state_dir, state_chunk_size, who=name)
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -233,99 +195,45 @@ class AdamW(Optimizer):
         for p in params:
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # a named parameter
             if isinstance(p, torch.Tensor):
-                self._check_tensor_kind(p)
-            if isinstance(p, torch.Tensor) and p.dtype not in (torch.bfloat16, torch.float32):
-                raise TypeError(
-                    f"{type(self).__name__} supports bfloat16 and float32 parameters, got a {p.dtype} parameter of"
-                    f" shape {tuple(p.shape)}. Convert the model with `model.to(torch.bfloat16)`."
-                )
+                functional.check_param(type(self).__name__, p)
+                self._storage.check_param(type(self).__name__, p)
         merged = {**self.defaults, **param_group}
-        functional.check_hyperparameters(
-            type(self).__name__,
-            merged["lr"],
-            merged["betas"],
-            merged["eps"],
-            merged["weight_decay"],
-            merged["rounding"],
-        )
+        keys = ("lr", "betas", "eps", "weight_decay", "rounding")
+        functional.check_hyperparameters(type(self).__name__, *(merged[k] for k in keys))
         # torch checks the rest (sets, non-tensors, names on some parameters only, a parameter in two groups).
         super().add_param_group(param_group)
         self._given_params.update(id(p) for p in self.param_groups[-1]["params"])
 
-    def _check_tensor_kind(self, p: torch.Tensor) -> None:
-        name = type(self).__name__
-        if not sharded.is_dtensor(p):
-            functional.refuse_subclass(name, p, "a parameter")
-            return
-        why = sharded.unsupported_placement(p)
-        if why is not None:
-            raise TypeError(f"{name}: a DTensor parameter of shape {tuple(p.shape)} cannot be trained: {why}.")
-        if self.state_storage == "mmap":
-            raise ValueError(
-                f"`{name}(state_storage='mmap')` keeps whole tensors' states in files; a DTensor parameter of shape"
-                f" {tuple(p.shape)} (FSDP2, tensor parallelism) has only a shard on this rank. Use"
-                " `state_storage='memory'` with sharded parameters."
-            )
-        functional.refuse_subclass(name, sharded.local(p), "the local shard of a DTensor parameter")
-
     @property
     def state_dir(self) -> str | None:
         """The directory holding this optimizer's state files (its own subdirectory of ``state_dir``), if any."""
-        if self._store is None:
-            return None
-        return os.fspath(self._store.directory or self._store.root)
+        return self._storage.directory
 
     def set_storage_label(self, label: str) -> None:
         """Name the state files' directory after ``label`` (a rank, say) instead of host and pid; before any state
         exists. Does nothing with in-memory states."""
-        if self._store is not None:
-            self._store.label = label
+        self._storage.set_label(label)
 
     def wait_for_state_writes(self) -> None:
         """Return once every state chunk an update computed is back in its file (``state_storage="mmap"`` on CUDA,
         where :meth:`update_slice` returns while its last chunks are still being written back; see
         :class:`~lightning_pure_bf16.optim.mmap_states.StateStreamer`). :meth:`state_dict`, :meth:`load_state_dict`
         and gradient release's end of step call it; does nothing otherwise."""
-        for streamer in self._streamers.values():
-            streamer.wait_for_writes()
+        self._storage.wait_for_writes()
 
     def close(self) -> None:
         """Remove the state files (``state_storage="mmap"``) and stop the streaming threads; idempotent.
 
         The optimizer cannot step afterwards. With in-memory states it only marks the optimizer closed.
         """
-        if self._store is not None:
-            self._finalizer()
-            for state in self.state.values():
-                for key in _STORED_KEYS:
-                    state.pop(key, None)
+        self._storage.close(self.state.values())
         self._closed = True
 
     @torch.no_grad()
     def nonfinite_grads(self) -> torch.Tensor:
         """A 0-dim float32 tensor: 1.0 if any gradient of this optimizer holds inf or NaN, else 0.0 (one reduction)."""
-        found = [
-            self._nonfinite(sharded.local(p.grad))
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        if any(f is True for f in found):
-            return torch.ones((), dtype=torch.float32)
-        flags = [f.to(torch.float32) for f in found if isinstance(f, torch.Tensor)]
-        if not flags:
-            return torch.zeros((), dtype=torch.float32)
-        devices = {f.device for f in flags}
-        if len(devices) > 1:
-            flags = [f.cpu() for f in flags]
-        return torch.cat(flags).amax()
-
-    def _nonfinite(self, t: torch.Tensor) -> bool | torch.Tensor:
-        """Whether ``t`` holds inf or NaN: a bool from the fused CPU loop's read-only pass (torch's isfinite on bf16 CPU
-        tensors costs more than the update itself), else a 1-element bool tensor on ``t``'s device (no sync)."""
-        if self.backend in ("auto", "cpu") and can_use_fused_cpu(t, t) and fused_cpu_available():
-            return any_nonfinite_cpu(t)
-        return torch.logical_not(torch.isfinite(t).all()).reshape(1)
+        grads = [sharded.local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return functional.any_nonfinite(grads, self.backend)
 
     def record_skipped_step(self) -> None:
         """Count a step that a caller skipped because of non-finite gradients (nothing else changes)."""
@@ -353,9 +261,9 @@ class AdamW(Optimizer):
             return False
 
         def flag() -> torch.Tensor:
-            return torch.as_tensor(self._nonfinite(sharded.local(p.grad)), dtype=torch.float32).reshape(())
+            return functional.any_nonfinite([sharded.local(p.grad)], self.backend)
 
-        updated = self._apply([(p, group)], flag, agree_over=[p] if sharded.is_dtensor(p) else [])
+        updated = self._apply([(p, group)], flag, agree_over=sharded.dtensors([{"params": [p]}]))
         if not updated:
             self.skipped_parameter_updates += 1
         return updated
@@ -376,7 +284,7 @@ class AdamW(Optimizer):
         params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
         # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank takes
         # part in the agreement.
-        if not self._apply(params, self.nonfinite_grads, agree_over=self._sharded_params()):
+        if not self._apply(params, self.nonfinite_grads, agree_over=sharded.dtensors(self.param_groups)):
             self.record_skipped_step()
         return loss
 
@@ -397,7 +305,8 @@ class AdamW(Optimizer):
         Returns whether the tensors were updated (False: a gradient was inf/NaN and nothing changed)."""
         name = type(self).__name__
         plan = [
-            (p, group, functional.resolve_backend(self.backend, *self._local_pair(p), name=name)) for p, group in params
+            (p, group, functional.resolve_backend(self.backend, *sharded.local_pair(name, p), name=name))
+            for p, group in params
         ]
         self._refuse_float32_masters(plan)
         if self.check_nonfinite:
@@ -408,12 +317,10 @@ class AdamW(Optimizer):
                 flag = sharded.agree_any(flag, agree_over)
             if bool(flag.item()):
                 return False
-        if self._store is not None:
-            # All files of this step exist (created together, after one free-space check) and are intact before
-            # any buffer changes.
-            self.init_states([(p, group) for p, group, _ in plan])
-            for p, _, _ in plan:
-                self._store.verify(self.state[p]["stream"])
+        # All states of this step exist (files: created together, after one free-space check) and are intact before
+        # any buffer changes.
+        self.init_states([(p, group) for p, group, _ in plan])
+        self._storage.verify(self.state[p] for p, _, _ in plan)
         for p, group, backend in plan:
             self._update(p, group, backend)
         return True
@@ -428,24 +335,10 @@ class AdamW(Optimizer):
             self._indexed_groups = indexed = (groups, len(groups), index)
         return indexed[2].get(id(p))
 
-    def _sharded_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if sharded.is_dtensor(p)]
-
-    def _local_pair(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tensors the update writes and reads: a DTensor parameter's local shard and its gradient's."""
-        if not sharded.is_dtensor(p):
-            return p, p.grad
-        sharded.check_grad(type(self).__name__, p, p.grad)
-        return sharded.local(p), sharded.local(p.grad)
-
     def _noise(self, p: torch.Tensor) -> tuple[int, int]:
-        """The seed and the index of the first element that ``p``'s update draws its random bits with: the
-        optimizer's seed and 0 for a plain tensor; for a DTensor's shard, its elements' indices in the whole tensor
-        (or a seed of the shard's own, see :mod:`lightning_pure_bf16.optim.sharded`)."""
-        if not sharded.is_dtensor(p):
-            return self.seed, 0
-        where = sharded.layout(p, block=quant.QBLOCK if self._int8_moments(p) else 1)
-        return (self.seed if where.shard is None else rank_seed(self.seed, where.shard)), where.index_offset
+        """The seed and the index of the first element that ``p``'s update draws its random bits with
+        (:func:`~lightning_pure_bf16.optim.sharded.noise`)."""
+        return sharded.noise(p, self.seed, block=quant.QBLOCK if self._int8_moments(p) else 1)
 
     def _refuse_float32_masters(self, plan: list[tuple[torch.Tensor, dict[str, Any], str]]) -> None:
         """A float32 tensor put in the param groups in place of the parameters this optimizer was given is a wrapper's
@@ -476,7 +369,7 @@ class AdamW(Optimizer):
     def init_states(self, params: Iterable[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """:meth:`init_state` for several parameters; with ``state_storage="mmap"`` their files are created together,
         after one check that the disk has room for all of them (all or none). Idempotent."""
-        pending: list[tuple[torch.Tensor, dict[str, Any], list[str]]] = []
+        pending: list[tuple[torch.Tensor, dict[str, Any], list[tuple[str, int, torch.dtype]]]] = []
         for p, group in params:
             state = self.state[p]
             if len(state) == 0:
@@ -484,29 +377,10 @@ class AdamW(Optimizer):
                 # The stream id decorrelates the rounding noise of different tensors; fixed at first use and saved.
                 state["stream"] = self._next_stream
                 self._next_stream += 1
-            keys = [k for k in self._buffer_keys(p, group) if k not in state]
-            if keys:
-                pending.append((p, group, keys))
-        if self._store is None:
-            for p, _, keys in pending:
-                for key in keys:
-                    self.state[p][key] = self._new_buffer(p, key)
-            return
-        for p, _, keys in pending:
-            if self.state[p]["stream"] in self._store.files:
-                raise RuntimeError(
-                    f"{type(self).__name__}(state_storage='mmap'): a parameter needs the state buffers {keys} added to"
-                    " its existing state file (its group's `rounding` changed to 'kahan' after its first step); that"
-                    " is not supported. Set the rounding before the first step."
-                )
-        requests = [
-            (self.state[p]["stream"], [self._buffer_spec(p, k) for k in self._buffer_keys(p, g)]) for p, g, _ in pending
-        ]
-        created = self._store.allocate(requests)
-        for p, group, _ in pending:
-            buffers = created[self.state[p]["stream"]]
-            for key, flat in zip(self._buffer_keys(p, group), buffers):
-                self.state[p][key] = flat if key in _SCALE_KEYS else flat.view(p.shape)
+            specs = [(k, *self._buffer_spec(p, k)) for k in self._buffer_keys(p, group) if k not in state]
+            if specs:
+                pending.append((p, state, specs))
+        self._storage.allocate(type(self).__name__, pending)
 
     def _buffer_keys(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[str, ...]:
         keys: tuple[str, ...] = _BUFFER_KEYS[:2]
@@ -531,14 +405,6 @@ class AdamW(Optimizer):
             dtype = torch.int8
         return sharded.local(p).numel(), dtype
 
-    def _new_buffer(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        """A zero buffer; for a DTensor parameter, a DTensor sharded like it (its block scales: this rank's, plain)."""
-        numel, dtype = self._buffer_spec(p, key)
-        shard = sharded.local(p)
-        shape = (numel,) if key in _SCALE_KEYS else shard.shape
-        buffer = torch.zeros(shape, dtype=dtype, device=shard.device)
-        return sharded.like(buffer, p) if sharded.is_dtensor(p) and key not in _SCALE_KEYS else buffer
-
     @torch.no_grad()
     def dequantized_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The moments (and Kahan remainder) of ``p`` as float32 tensors of its shape, whatever their format (of this
@@ -546,42 +412,14 @@ class AdamW(Optimizer):
 
         For inspection, tests and conversion; an empty dict before ``p``'s state exists.
         """
-        stored = self.state.get(p, {})
-        out: dict[str, torch.Tensor] = {}
-        if "exp_avg" not in stored:
-            return out
-        state = {k: sharded.local(v) if isinstance(v, torch.Tensor) else v for k, v in stored.items()}
-        p = sharded.local(p)
-        if state["exp_avg"].dtype == torch.int8:
-            out["exp_avg"] = quant.decode_m(state["exp_avg"].reshape(-1), state["exp_avg_scale"])
-            out["exp_avg_sq"] = quant.decode_v(state["exp_avg_sq"].reshape(-1), state["exp_avg_sq_scale"])
-        else:
-            out["exp_avg"] = state["exp_avg"].float()
-            out["exp_avg_sq"] = state["exp_avg_sq"].float()
-        if "kahan_comp" in state:
-            comp = state["kahan_comp"]
-            if comp.dtype == torch.int8:
-                out["kahan_comp"] = quant.decode_residual(comp.reshape(-1), p.detach().reshape(-1))
-            else:
-                out["kahan_comp"] = comp.float()
-        return {k: v.reshape(p.shape) for k, v in out.items()}
+        return state_dicts.dequantized(self, p)
 
     @torch.no_grad()
     def load_state_range(self, p: torch.Tensor, start: int, values: dict[str, torch.Tensor]) -> None:
         """Write elements ``[start, start + n)`` of the state buffers of ``p`` (a plain tensor whose state exists,
-        :meth:`init_state`) from ``values``, keyed as the buffers (``exp_avg``, ``exp_avg_sq``, ``kahan_comp``), each
-        1-D of ``n`` elements in any format; what it reads is one range, what it writes goes straight into the
-        buffers (memory or files), so a checkpoint of any size loads in pieces:
-
-        - floats (bf16, float32): a bf16 buffer takes them rounded to nearest; 8-bit moments encode them in their own
-          blocks of this range; an 8-bit remainder encodes them against the weight ``p`` holds now. Encodings draw the
-          noise of the tensor's stream at step 0, as :meth:`load_state_dict` does, whatever the range.
-        - 8-bit moment codes with ``exp_avg_scale``/``exp_avg_sq_scale`` one per element (float32, the scale each code
-          was written under; NaN where none: its code 0): re-blocked (:func:`ops.quant.reblock`), a block whose codes
-          share a scale kept bit for bit.
-        - an 8-bit remainder's codes: copied (its unit is its weight's spacing, the same for the same weight).
-
-        A range of 8-bit moments starts on a block (a multiple of ``QBLOCK`` elements) and ends on one or at the end.
+        :meth:`init_state`) from ``values``, keyed as the buffers, each 1-D of ``n`` elements in any format (floats,
+        8-bit codes with their per-element scales): straight into the buffers, memory or files, so a checkpoint of any
+        size loads in pieces. See :func:`lightning_pure_bf16.optim.state_dicts.load_state_range`.
         """
         state_dicts.load_state_range(self, p, start, values)
 
@@ -605,8 +443,7 @@ class AdamW(Optimizer):
             StateStorageError: a state file that cannot be read or written (naming it).
         """
         name = type(self).__name__
-        if sharded.is_dtensor(p):
-            raise TypeError(f"{name}.update_slice: slices of ZeRO-3 partitions only; this is a DTensor, use `step`.")
+        sharded.refuse_dtensor(f"{name}.update_slice", p, "slices of ZeRO-3 partitions only; use `step`")
         state = self.state.get(p, {})
         if "exp_avg" not in state:
             raise RuntimeError(f"{name}.update_slice: the tensor has no state yet; call `init_states` first.")
@@ -618,29 +455,9 @@ class AdamW(Optimizer):
                 f"{name}.update_slice: with 8-bit moments a slice covers whole blocks of {quant.QBLOCK} elements;"
                 f" [{start}, {end}) of {p.numel()} does not."
             )
-        if end == start:
-            return
-        args = self._step_args(group, state, int(state["step"].item()) + 1)
-        flat = p.view(-1)[start:end]
-        grad = grad.reshape(-1)
-        pieces = {k: state[k].view(-1)[start:end] for k in _BUFFER_KEYS if k in state}
-        blocks = slice(start // quant.QBLOCK, -(-end // quant.QBLOCK))
-        scales = {k: state[k][blocks] for k in _SCALE_KEYS if k in state}
-        kahan_comp = pieces.get("kahan_comp") if group["rounding"] == "kahan" else None
-        backend = functional.resolve_backend(self.backend, flat, grad, name=type(self).__name__)
-        update = functional.update_function(backend, self.chunk_size)
-        if self._store is not None:
-            # The backward reaches a partition's parameters in the reverse of their order, and the kernel's readahead
-            # follows a file forward: the states just before this slice are asked for now (asynchronously), to be read
-            # from the disk while this slice is updated.
-            ahead = max(0, start - (end - start))
-            read_ahead([state[k].view(-1)[ahead:start] for k in _BUFFER_KEYS if k in state])
-            sliced = {**pieces, **scales}
-            self._update_streamed(
-                update, flat, grad, sliced, kahan_comp is not None, args, index_base=start, defer_writes=True
-            )
-            return
-        update(flat, grad, pieces["exp_avg"], pieces["exp_avg_sq"], kahan_comp, args, index_offset=start, **scales)
+        if end > start:
+            backend = functional.resolve_backend(self.backend, p.view(-1)[start:end], grad.reshape(-1), name=name)
+            self._write(p, group, grad, start, backend, step=int(state["step"].item()) + 1, defer_writes=True)
 
     def advance_step(self, p: torch.Tensor) -> None:
         """Count one completed step of ``p`` whose slices :meth:`update_slice` applied."""
@@ -649,87 +466,44 @@ class AdamW(Optimizer):
     @torch.no_grad()
     def nonfinite(self, tensors: list[torch.Tensor]) -> list[bool]:
         """For each tensor, whether it holds inf or NaN (one read each; one device synchronization in all)."""
-        found = [self._nonfinite(t) for t in tensors]
-        flags = [f for f in found if isinstance(f, torch.Tensor)]
-        if flags:
-            rest = iter(torch.cat([f.cpu() for f in flags] if len({f.device for f in flags}) > 1 else flags).tolist())
-            found = [next(rest) if isinstance(f, torch.Tensor) else f for f in found]
-        return [bool(f) for f in found]
-
-    def _step_args(
-        self, group: dict[str, Any], state: dict[str, Any], step: int, seed: int | None = None
-    ) -> UpdateArgs:
-        seed = self.seed if seed is None else seed
-        return functional.update_args(**_hyperparameters(group), step=step, seed=seed, stream=state["stream"])
+        return functional.nonfinite(tensors, self.backend)
 
     def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
         state = self.init_state(p, group)
         state["step"] += 1
-        step = int(state["step"].item())
-        if self._store is not None:  # plain tensors only (DTensors are refused with state files)
-            kahan = group["rounding"] == "kahan" and "kahan_comp" in state
-            args = self._step_args(group, state, step)
-            self._update_streamed(functional.update_function(backend, self.chunk_size), p, p.grad, state, kahan, args)
-            return
-        seed, offset = self._noise(p)
-        shard, grad = self._local_pair(p)
-        if not shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
-            return
-        buffers = {k: sharded.local(v) for k, v in state.items() if k in _STORED_KEYS}
-        functional.adamw(
-            shard,
-            grad,
-            buffers.pop("exp_avg"),
-            buffers.pop("exp_avg_sq"),
-            step=step,
-            **_hyperparameters(group),
-            **buffers,
-            seed=seed,
-            stream=state["stream"],
-            index_offset=offset,
-            backend=backend,
-            chunk_size=self.chunk_size,
-        )
+        shard, grad = sharded.local_pair(type(self).__name__, p)
+        if shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
+            self._write(p, group, grad, 0, backend, step=int(state["step"].item()))
 
-    def _update_streamed(
+    def _write(
         self,
-        update: Callable[..., None],
         p: torch.Tensor,
+        group: dict[str, Any],
         grad: torch.Tensor,
-        state: dict[str, Any],
-        kahan: bool,
-        args: UpdateArgs,
-        index_base: int = 0,
+        start: int,
+        backend: str,
+        *,
+        step: int,
         defer_writes: bool = False,
     ) -> None:
-        keys = ["exp_avg", "exp_avg_sq", *(["kahan_comp"] if kahan else []), *(k for k in _SCALE_KEYS if k in state)]
-        states = [state[k].view(-1) for k in keys]
-        specs = tuple((t.dtype, quant.QBLOCK if k in _SCALE_KEYS else 1) for k, t in zip(keys, states))
-        key = (p.device, specs)
-        streamer = self._streamers.get(key)
-        # Slots as large as the largest tensor seen (a power of two), at most state_chunk_size: small models do not
-        # pay for 8 MiB slots. 8-bit moments stream whole scale blocks.
-        chunk = min(self.state_chunk_size, 1 << max(p.numel() - 1, 1).bit_length())
-        if any(k in _SCALE_KEYS for k in keys):
-            chunk = max(chunk, quant.QBLOCK)
-        if streamer is None or streamer.chunk < chunk:
-            if streamer is not None:
-                streamer.close()
-            streamer = self._streamers[key] = StateStreamer(p.device, specs, chunk)
-        p_flat = p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
-        g_flat = grad.reshape(-1)
-        scale_at = {k: i for i, k in enumerate(keys) if k in _SCALE_KEYS}
-
-        def forward(chunks: list[torch.Tensor]) -> tuple[Any, ...]:
-            scales = {k: chunks[i] for k, i in scale_at.items()}
-            return chunks[0], chunks[1], chunks[2] if kahan else None, args, scales
-
-        def call(param_chunk, grad_chunk, m, v, c, step_args, scales, index_offset):  # noqa: ANN001, ANN202
-            update(param_chunk, grad_chunk, m, v, c, step_args, index_offset=index_offset, **scales)
-
-        streamer.update(call, p_flat, g_flat, states, forward, index_base, defer_writes)
-        if not p.is_contiguous():
-            p.copy_(p_flat.view(p.shape))
+        """The one update path: elements ``[start, start + grad.numel())`` of ``p`` (of its local shard, for a DTensor)
+        at step ``step`` from their gradient ``grad``, through the state storage (``defer_writes``: see
+        :meth:`update_slice`)."""
+        state = self.state[p]
+        seed, offset = self._noise(p)
+        args = functional.update_args(**_hyperparameters(group), step=step, seed=seed, stream=state["stream"])
+        states = {k: sharded.local(state[k]) for k in _STORED_KEYS if k in state}
+        self._storage.update(
+            functional.update_function(backend, self.chunk_size),
+            sharded.local(p),
+            grad,
+            states,
+            args,
+            kahan=group["rounding"] == "kahan" and "kahan_comp" in states,
+            start=start,
+            index_offset=offset + start,
+            defer_writes=defer_writes,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy``, ``pickle`` and ``torch.save(optimizer)`` keep: torch's state plus the seed, the
@@ -737,14 +511,8 @@ class AdamW(Optimizer):
         (like torch's hooks: it is bound to a process group); a copy checks its own gradients until it is set again.
         With ``state_storage="mmap"`` the moments travel as tensors and the copy writes them to state files of its
         own (under the same ``state_dir``); the original's files are never touched."""
-        if self._store is not None and self._closed:
-            raise RuntimeError(
-                f"This {type(self).__name__} was closed and its state files removed: there are no moments to copy."
-            )
         state = super().__getstate__()
         state.update({k: getattr(self, k) for k in _COPIED_ATTRIBUTES})
-        if self._store is not None:
-            state["_state_root"] = os.fspath(self._store.root)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -752,22 +520,11 @@ class AdamW(Optimizer):
             # torch's load_state_dict sets the state and param groups through __setstate__: not a copy.
             super().__setstate__(state)
             return
-        state = dict(state)
-        root = state.pop("_state_root", None)
-        state.setdefault("skipped_parameter_updates", 0)
+        state = {"skipped_parameter_updates": 0, "_storage": storage.InMemory(), **state}
         super().__setstate__(state)
         self._given_params = {id(p) for group in self.param_groups for p in group["params"]}  # the copy's own
         self.nonfinite_reduce = None
-        self._streamers = {}
-        self._store = None
-        if root is None:
-            return
-        # The copied moments are plain tensors now; they move into files of this copy's own.
-        who = f"{type(self).__name__}(state_storage='mmap', state_dir={root!r}) (a copy)"
-        self._store = MmapStateStore(check_state_dir(root, who=who), who=who)
-        self._finalizer = weakref.finalize(self, _close_storage, self._store, self._streamers)
-        saved = {p: {k: st.pop(k) for k in _STORED_KEYS if k in st} for p, st in self.state.items()}
-        state_dicts.load_buffers_into_files(self, saved)
+        self._storage.adopt_copy(self)
 
     def state_dict(self) -> dict[str, Any]:
         """The torch state dict plus the rounding seed, the stream counter and the skipped-step count.
@@ -803,13 +560,6 @@ def register_construction_hook(hook: Callable[[AdamW], None]) -> RemovableHandle
     handle = RemovableHandle(_construction_hooks)
     _construction_hooks[handle.id] = hook
     return handle
-
-
-def _close_storage(store: MmapStateStore, streamers: dict[Any, StateStreamer]) -> None:
-    for streamer in streamers.values():
-        streamer.close()
-    streamers.clear()
-    store.close()
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,12 @@ from typing import Any
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_, can_use_fused_cpu, fused_cpu_available
+from lightning_pure_bf16.ops.adamw_cpu import (
+    adamw_update_cpu_,
+    any_nonfinite_cpu,
+    can_use_fused_cpu,
+    fused_cpu_available,
+)
 from lightning_pure_bf16.ops.adamw_torch import (
     DEFAULT_CHUNK,
     ROUNDING_MODES,
@@ -22,6 +27,7 @@ from lightning_pure_bf16.ops.adamw_torch import (
     intercepts_operations,
 )
 from lightning_pure_bf16.ops.rng import Buffer, stream_key
+from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.options import check_choice
 
 _TRITON_AVAILABLE = RequirementCache("triton")
@@ -203,6 +209,50 @@ def refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:
         )
 
 
+def check_param(name: str, p: torch.Tensor) -> None:
+    """A parameter the optimizer can update in place: a bf16 or float32 plain tensor, or a DTensor of one with
+    placements that can be trained (``name``: who asks, for the messages)."""
+    refuse_subclass(name, *sharded.checked_local(name, p))
+    if p.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"{name} supports bfloat16 and float32 parameters, got a {p.dtype} parameter of shape {tuple(p.shape)}."
+            " Convert the model with `model.to(torch.bfloat16)`."
+        )
+
+
+def nonfinite_flags(tensors: list[torch.Tensor], backend: str) -> list[bool | torch.Tensor]:
+    """Per tensor, whether it holds inf or NaN: a bool from the fused CPU loop's read-only pass (torch's isfinite on
+    bf16 CPU tensors costs more than the update itself; with ``backend`` ``"auto"`` or ``"cpu"``), else a 1-element
+    bool tensor on its device (no sync)."""
+    return [
+        any_nonfinite_cpu(t)
+        if backend in ("auto", "cpu") and can_use_fused_cpu(t, t) and fused_cpu_available()
+        else torch.logical_not(torch.isfinite(t).all()).reshape(1)
+        for t in tensors
+    ]
+
+
+def nonfinite(tensors: list[torch.Tensor], backend: str) -> list[bool]:
+    """:func:`nonfinite_flags` as bools (one device synchronization in all)."""
+    found = nonfinite_flags(tensors, backend)
+    flags = [f for f in found if isinstance(f, torch.Tensor)]
+    if flags:
+        rest = iter(torch.cat([f.cpu() for f in flags] if len({f.device for f in flags}) > 1 else flags).tolist())
+        found = [next(rest) if isinstance(f, torch.Tensor) else f for f in found]
+    return [bool(f) for f in found]
+
+
+def any_nonfinite(tensors: list[torch.Tensor], backend: str) -> torch.Tensor:
+    """A 0-dim float32 tensor: 1.0 if any of ``tensors`` holds inf or NaN, else 0.0 (one reduction, no sync)."""
+    found = nonfinite_flags(tensors, backend)
+    if any(f is True for f in found):
+        return torch.ones((), dtype=torch.float32)
+    flags = [f.to(torch.float32) for f in found if isinstance(f, torch.Tensor)]
+    if not flags:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.cat([f.cpu() for f in flags] if len({f.device for f in flags}) > 1 else flags).amax()
+
+
 def check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, rounding: Any) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
@@ -219,4 +269,15 @@ def check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay
     check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 
-__all__ = ["adamw", "check_hyperparameters", "refuse_subclass", "resolve_backend", "update_args", "update_function"]
+__all__ = [
+    "adamw",
+    "any_nonfinite",
+    "check_hyperparameters",
+    "check_param",
+    "nonfinite",
+    "nonfinite_flags",
+    "refuse_subclass",
+    "resolve_backend",
+    "update_args",
+    "update_function",
+]

@@ -46,6 +46,32 @@ def check_seed(who: str, seed: Any) -> None:
         raise ValueError(f"`{who}(seed={seed!r})`: the seed must be a non-negative int or None.")
 
 
+def check_torch_arguments(who: str, given: Mapping[str, Any], *, foreach: Any, fused: Any) -> None:
+    """The torch.optim keyword arguments ``given`` to ``who`` beyond its own: ``TypeError`` for one torch.optim does
+    not have either, ``ValueError`` for one that asks for a feature (or an implementation) pure bf16 lacks."""
+    for option in given:
+        if option not in UNSUPPORTED_TORCH_OPTIONS:
+            raise TypeError(f"{who}() got an unexpected keyword argument {option!r}.")
+    for option, value in unsupported_torch_options(given).items():
+        raise ValueError(
+            f"`{who}({option}={value!r})` is not supported by the pure-bf16 optimizer. Remove `{option}` or"
+            " use a torch.optim optimizer with fp32 master weights."
+        )
+    if foreach or fused:
+        flag = "foreach" if foreach else "fused"
+        raise ValueError(
+            f"`{who}({flag}=True)` selects a torch.optim implementation; the pure-bf16 optimizer picks its own."
+            " Use `backend='triton'` or `backend='torch'` instead."
+        )
+
+
+def check_power_of_two(who: str, name: str, value: int, *, minimum: int = 1) -> None:
+    """A size in elements that must be a power of two of at least ``minimum``."""
+    if value < minimum or value & (value - 1):
+        what = "a positive power of two" if minimum == 1 else f"a power of two >= {minimum}"
+        raise ValueError(f"`{who}({name}={value})`: `{name}` must be {what}.")
+
+
 def unsupported_torch_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The options of ``options`` (kwargs or a param group) that ask for a torch.optim feature pure bf16 lacks."""
     return {k: options[k] for k, off in UNSUPPORTED_TORCH_OPTIONS.items() if k in options and options[k] != off}
@@ -163,7 +189,9 @@ __all__ = [
     "TORCH_ONLY_GROUP_KEYS",
     "UNSUPPORTED_TORCH_OPTIONS",
     "check_choice",
+    "check_power_of_two",
     "check_seed",
+    "check_torch_arguments",
     "resolve_state_dir",
     "unsupported_torch_options",
 ]

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lightning_pure_bf16.ops.rng import rank_seed
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # a torch built without distributed support
@@ -41,6 +43,52 @@ def like(local_tensor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local_tensor, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
+
+
+def like_if_sharded(local_tensor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """:func:`like` for a DTensor ``p``; ``local_tensor`` itself for a plain one."""
+    return like(local_tensor, p) if is_dtensor(p) else local_tensor
+
+
+def dtensors(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """The DTensor parameters of the parameter groups ``groups`` (dicts with ``"params"``)."""
+    return [p for g in groups for p in g["params"] if is_dtensor(p)]
+
+
+def checked_local(name: str, p: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The tensor the update writes for the parameter ``p`` and what messages call it, after checking that a DTensor
+    parameter's placements can be trained (``name``: who asks)."""
+    if not is_dtensor(p):
+        return p, "a parameter"
+    why = unsupported_placement(p)
+    if why is not None:
+        raise TypeError(f"{name}: a DTensor parameter of shape {tuple(p.shape)} cannot be trained: {why}.")
+    return local(p), "the local shard of a DTensor parameter"
+
+
+def refuse_dtensor(who: str, p: torch.Tensor, why: str) -> None:
+    """``TypeError`` from ``who`` for a DTensor ``p``, saying ``why``."""
+    if is_dtensor(p):
+        raise TypeError(f"{who}: {why}; this is a DTensor.")
+
+
+def local_pair(name: str, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors the update writes and reads for ``p``: a DTensor parameter's local shard and its gradient's (after
+    checking the gradient is sharded like it), or ``p`` and ``p.grad``."""
+    if not is_dtensor(p):
+        return p, p.grad
+    check_grad(name, p, p.grad)
+    return local(p), local(p.grad)
+
+
+def noise(p: torch.Tensor, seed: int, *, block: int) -> tuple[int, int]:
+    """The seed and the index of the first element that the update of ``p`` draws its random bits with: ``seed`` and
+    0 for a plain tensor; for a DTensor's shard, its elements' indices in the whole tensor, or a seed of the shard's
+    own (see the module's description; ``block``: as :func:`layout`'s)."""
+    if not is_dtensor(p):
+        return seed, 0
+    where = layout(p, block=block)
+    return (seed if where.shard is None else rank_seed(seed, where.shard)), where.index_offset
 
 
 def unsupported_placement(p: torch.Tensor) -> str | None:
@@ -125,4 +173,19 @@ def agree_any(flag: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
     return flag.reshape(())
 
 
-__all__ = ["ShardLayout", "agree_any", "check_grad", "is_dtensor", "layout", "like", "local", "unsupported_placement"]
+__all__ = [
+    "ShardLayout",
+    "agree_any",
+    "check_grad",
+    "checked_local",
+    "dtensors",
+    "is_dtensor",
+    "layout",
+    "like",
+    "like_if_sharded",
+    "local",
+    "local_pair",
+    "noise",
+    "refuse_dtensor",
+    "unsupported_placement",
+]

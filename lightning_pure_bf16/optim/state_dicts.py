@@ -91,6 +91,30 @@ def load_state_range(optimizer: AdamW, p: torch.Tensor, start: int, values: dict
             state[f"{key}_scale"].narrow(0, start // quant.QBLOCK, scales.numel()).copy_(scales)
 
 
+@torch.no_grad()
+def dequantized(optimizer: AdamW, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:meth:`AdamW.dequantized_state`."""
+    stored = optimizer.state.get(p, {})
+    out: dict[str, torch.Tensor] = {}
+    if "exp_avg" not in stored:
+        return out
+    state = {k: sharded.local(v) if isinstance(v, torch.Tensor) else v for k, v in stored.items()}
+    p = sharded.local(p)
+    if state["exp_avg"].dtype == torch.int8:
+        out["exp_avg"] = quant.decode_m(state["exp_avg"].reshape(-1), state["exp_avg_scale"])
+        out["exp_avg_sq"] = quant.decode_v(state["exp_avg_sq"].reshape(-1), state["exp_avg_sq_scale"])
+    else:
+        out["exp_avg"] = state["exp_avg"].float()
+        out["exp_avg_sq"] = state["exp_avg_sq"].float()
+    if "kahan_comp" in state:
+        comp = state["kahan_comp"]
+        if comp.dtype == torch.int8:
+            out["kahan_comp"] = quant.decode_residual(comp.reshape(-1), p.detach().reshape(-1))
+        else:
+            out["kahan_comp"] = comp.float()
+    return {k: v.reshape(p.shape) for k, v in out.items()}
+
+
 def state_dict(optimizer: AdamW) -> dict[str, Any]:
     """The torch state dict plus the rounding seed, the stream counter and the skipped-step count.
 
@@ -99,21 +123,16 @@ def state_dict(optimizer: AdamW) -> dict[str, Any]:
     moments' block scales are given once per element for that (only in the state dict: in memory a block of 128
     elements has one), and the seed and counters are repeated in every parameter group, which
     ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps (it drops other top-level keys)."""
-    if optimizer._closed and optimizer._store is not None:
-        raise RuntimeError(
-            f"This {type(optimizer).__name__} was closed and its state files removed: there are no moments to save."
-            " Save before calling `close()`."
-        )
+    optimizer._storage.check_kept(type(optimizer).__name__, "save")
     optimizer.wait_for_state_writes()
     sd = Optimizer.state_dict(optimizer)
-    if optimizer._store is not None:
-        sd["state"] = {index: _saveable(st) for index, st in sd["state"].items()}
+    sd["state"] = {index: optimizer._storage.saveable(st) for index, st in sd["state"].items()}
     sd[EXTRA_KEY] = {
         "seed": optimizer.seed,
         "skipped_steps": optimizer.skipped_steps,
         "next_stream": optimizer._next_stream,
     }
-    if optimizer._sharded_params():
+    if sharded.dtensors(optimizer.param_groups):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         sd["state"] = {index: _per_element_scales(params[index], st) for index, st in sd["state"].items()}
         for group in sd["param_groups"]:
@@ -151,11 +170,7 @@ def load_state_dict(optimizer: AdamW, state_dict: dict[str, Any]) -> None:
             sd = _from_torch_state_dict(optimizer, sd)
         loaded["extra"] = extra
         loaded["dtypes"] = _check_saved_formats(optimizer, sd)
-        if optimizer._store is not None:
-            loaded["buffers"] = _check_saved_buffers(optimizer, sd)
-            sd["state"] = {
-                index: {k: v for k, v in st.items() if k not in STORED_KEYS} for index, st in sd["state"].items()
-            }
+        loaded["buffers"] = optimizer._storage.take_saved(optimizer, sd)
         return sd
 
     # Runs before the user's post-hooks (it is prepended).
@@ -173,8 +188,7 @@ def load_state_dict(optimizer: AdamW, state_dict: dict[str, Any]) -> None:
                     state["stream"] = optimizer._next_stream
                     optimizer._next_stream += 1
         _restore_formats(optimizer, loaded["dtypes"])
-        if optimizer._store is not None:
-            load_buffers_into_files(optimizer, loaded["buffers"])
+        optimizer._storage.put_saved(optimizer, loaded["buffers"])
 
     pre = optimizer.register_load_state_dict_pre_hook(unpack)
     post = optimizer.register_load_state_dict_post_hook(restore, prepend=True)
@@ -285,7 +299,7 @@ def _compact_scales(optimizer: AdamW, p: torch.Tensor, state: dict[str, Any]) ->
         codes = sharded.local(state[key]).reshape(-1)
         unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=codes.device)
         values = decode(codes, unit) * scales[f"{key}_scale"].float()
-        # Floats, encoded in this rank's blocks by _encode_float_buffers.
+        # Floats, encoded in this rank's blocks by encode_float_buffers.
         state[key] = sharded.like(values.view(sharded.local(p).shape), p)
         del state[f"{key}_scale"]
 
@@ -323,7 +337,7 @@ def encode_float_buffers(
     }
 
 
-def _check_saved_buffers(optimizer: AdamW, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+def check_saved_buffers(optimizer: AdamW, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
     """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -355,20 +369,7 @@ def _check_saved_buffers(optimizer: AdamW, state_dict: dict[str, Any]) -> dict[t
     return out
 
 
-def load_buffers_into_files(optimizer: AdamW, saved: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
-    assert optimizer._store is not None
-    # Fresh files for the loaded stream ids: the old files belonged to the replaced state.
-    optimizer._store.release_all()
-    groups = {p: g for g in optimizer.param_groups for p in g["params"]}
-    optimizer.init_states([(p, groups[p]) for p, buffers in saved.items() if buffers])
-    for p, buffers in saved.items():
-        # Floats saved for 8-bit files are encoded first, as in memory.
-        for key, value in encode_float_buffers(optimizer, p, optimizer.state[p]["stream"], buffers).items():
-            if key in optimizer.state[p]:
-                optimizer.state[p][key].view(-1).copy_(value.reshape(-1))
-
-
-def _saveable(state: dict[str, Any]) -> dict[str, Any]:
+def saveable(state: dict[str, Any]) -> dict[str, Any]:
     """One tensor's state with its buffers ``torch.save`` can write: the buffers of one state file share its storage,
     and torch refuses views of one storage as different dtypes (8-bit codes, bf16 scales), so all but the first dtype
     are copied out of the file."""
@@ -402,9 +403,11 @@ __all__ = [
     "EXTRA_KEY",
     "SCALE_KEYS",
     "STORED_KEYS",
+    "check_saved_buffers",
+    "dequantized",
     "encode_float_buffers",
-    "load_buffers_into_files",
     "load_state_dict",
     "load_state_range",
+    "saveable",
     "state_dict",
 ]

@@ -84,7 +84,7 @@ class CaptureOptimizerState(Callback):
         self.captured["memory_report"] = strat.memory_report()
         self.captured["zero_buffers"] = [
             (name, t.dtype, t.untyped_storage().nbytes(), is_file_backed(t))
-            for name, t in reachable_tensors(strat.deepspeed_engine.optimizer, "zero")
+            for name, t in reachable_tensors(strat.deepspeed_engine.optimizer, "zero", max_depth=7)
         ]
 
 
