@@ -524,8 +524,8 @@ def test_a_dtensor_shard_draws_by_its_index_in_the_whole_tensor_or_from_a_seed_o
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
-    from lightning_pure_bf16.optim import sharded
     from lightning_pure_bf16.ops.rng import rank_seed
+    from lightning_pure_bf16.optim import sharded
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
