@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import lightning_pure_bf16.precision as precision_module
 from lightning_pure_bf16 import PureBF16Precision
-from tests.strategy_runs import fit, load_ranks
+from tests.strategy_runs import fit_runs, load_ranks, output
 
 
 def _plugin(cpu_matmul: str, device_type: str = "cpu") -> PureBF16Precision:
@@ -87,11 +87,12 @@ def test_bad_option_is_refused():
 
 
 def test_a_fit_with_float32_products_trains_like_bf16_ones(tmp_path):
-    proc = fit(tmp_path / "f32", devices=2, steps=4, cpu_matmul="float32")
-    assert "matrix products are computed in float32" in proc.stdout + proc.stderr
-    f32 = load_ranks(tmp_path / "f32")
-    fit(tmp_path / "bf16", devices=2, steps=4, cpu_matmul="bf16")
-    bf16 = load_ranks(tmp_path / "bf16")
+    # Both fits in one launch (the precision plugin decides per fit, nothing process-wide).
+    runs = [{"name": "f32", "cpu_matmul": "float32"}, {"name": "bf16", "cpu_matmul": "bf16"}]
+    fit_runs(tmp_path, runs, devices=2, steps=4)
+    assert "matrix products are computed in float32" in output(tmp_path / "f32")
+    assert "matrix products are computed in float32" not in output(tmp_path / "bf16")
+    f32, bf16 = load_ranks(tmp_path / "f32"), load_ranks(tmp_path / "bf16")
     assert f32[0]["memory_report"] == bf16[0]["memory_report"]  # the same bf16 storage
     assert f32[0]["losses"][-1] < f32[0]["losses"][0]
     assert f32[0]["losses"] == pytest.approx(bf16[0]["losses"], rel=2e-2)
