@@ -32,9 +32,16 @@ if ! python3 -c "import deepspeed, torchdata" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONWARNINGS=ignore
 
+# GPU_DRY_RUN=1 (gpu_session.sh --dry-run): every step's command checked on this machine, nothing measured: the
+# benchmarks parse their arguments and print their plan (--dry-run), the GPU tests are collected, not run.
+DRY_RUN=${GPU_DRY_RUN:-0}
 {
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    python3 -c "import torch, triton, deepspeed, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'deepspeed', deepspeed.__version__, 'lightning', lightning.__version__)"
+    if [ "$DRY_RUN" = 1 ]; then
+        echo "dry run on $(hostname): no GPU used, nothing measured"
+    else
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        python3 -c "import torch, triton, deepspeed, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'deepspeed', deepspeed.__version__, 'lightning', lightning.__version__)"
+    fi
     date -u
 } > "$RESULTS/device.txt" 2>&1
 
@@ -53,6 +60,9 @@ step() {  # name, time limit (s), command...
         return
     fi
     if [ "$limit" -gt "$left" ]; then limit=$left; fi
+    if [ "$DRY_RUN" = 1 ]; then
+        if [ "$2" = "-m" ] && [ "$3" = "pytest" ]; then set -- "$@" --collect-only -q -n 0; else set -- "$@" --dry-run; fi
+    fi
     timeout "$limit" "$@" > "$RESULTS/$name.log" 2>&1
     local rc=$?
     local took=$((SECONDS - start))

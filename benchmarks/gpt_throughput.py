@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="run every arm this many times, round-robin; report medians and ranges"
     )
+    parser.add_argument(
+        "--size",
+        choices=("default", "1b"),
+        default="default",
+        help="1b: a GPT of 1.2B parameters (24 x 2048, 1024 tokens), for one GPU (default: GPT-2 124M on CUDA)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
     if args.world_size is None:
@@ -111,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         args.world_size = max(1, torch.cuda.device_count()) if gpu else 2
     if args.quick:
         shape = {"n_layer": 2, "n_embd": 128, "n_head": 2, "block_size": 64, "batch_size": 4, "steps": 5, "warmup": 2}
+    elif args.size == "1b":
+        shape = {"n_layer": 24, "n_embd": 2048, "n_head": 16, "block_size": 1024, "batch_size": 4, "steps": 20}
+        shape["warmup"] = 5
     elif gpu:
         shape = {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 1024, "batch_size": 8, "steps": 30}
         shape["warmup"] = 10
@@ -118,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         shape = {"n_layer": 4, "n_embd": 640, "n_head": 10, "block_size": 128, "batch_size": 8, "steps": 12}
         shape["warmup"] = 4
     spec = Spec(**shape, lr=1e-4, device=args.device, world_size=args.world_size)
+    if args.dry_run:
+        print(f"dry run: {spec.params():,} parameters on {args.world_size} {args.device} rank(s), arms {args.arms}")
+        return 0
 
     # Round-robin: every arm once per round, so that a slow spell of the machine falls on every arm alike.
     runs: dict[str, list[dict]] = {arm: [] for arm in args.arms}

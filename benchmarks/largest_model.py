@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite the table and plot from DIR's CSV (no training)"
     )
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     if args.budget_gib is None:
         args.budget_gib = 2.5 if args.quick else (40.0 if args.device == "cuda" else 12.0)
@@ -228,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
 
         args.world_size = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
     grid = sorted(args.widths) if args.widths else (QUICK_GRID if args.quick else GRID)
+    if args.dry_run:
+        print(
+            f"dry run: arms {args.arms} in {args.budget_gib:g} GiB on {args.world_size} {args.device} rank(s),"
+            f" widths {grid}"
+        )
+        return 0
 
     if args.report_only:
         import csv

@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--world-size", type=int, default=None, help="default: 2 on the CPU, all GPUs on CUDA")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     world = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 2)
     width, depth = (256, 4) if args.quick else (1024, 4)
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or (RESULTS / "gpu" if args.device == "cuda" else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     n_params = sum(p.numel() for p in make_model(width, depth).parameters())
+    if args.dry_run:
+        print(f"dry run: {list(CONFIGS)} at {n_params:,} parameters on {world} {args.device} rank(s)")
+        return 0
 
     rows = []
     for name, report in measure(CONFIGS, world, width, depth, args.device).items():

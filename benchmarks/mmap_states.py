@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, default=None, help="default: the system's temp dir")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     n = 1 << (23 if args.quick else 26)
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     root = args.state_dir or Path(tempfile.gettempdir())
     fs = filesystem_type(root) or "unknown"
     out_dir = args.out or (RESULTS / "gpu" if device.type == "cuda" else RESULTS)
+    if args.dry_run:
+        print(f"dry run: {n:,} elements on {device}, {repeats} repeats, state files under {root} ({fs})")
+        return 0
 
     with tempfile.TemporaryDirectory(dir=root, prefix="pure_bf16_bench-") as tmp:
         read_bw, mapped_bw, write_bw = disk_bandwidth(Path(tmp), probe_bytes)

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         " AdamW varies by up to 1.5x between minutes on a shared machine",
     )
     parser.add_argument("--no-torch-path", action="store_true", help="leave out the slow chunked PyTorch path")
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     out = args.out or (RESULTS / "gpu" if device.type == "cuda" else RESULTS)
@@ -144,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         warmup, repeats = 1, 3
     else:
         cases = {"flat 2^24": [(1 << 24,)], "layer d=2048": LAYER_SHAPES}
+        if device.type == "cuda":
+            cases["flat 2^27"] = [(1 << 27,)]  # 1.9 GB moved per step: well past the L2 cache
         warmup, repeats = 2, 7 if device.type == "cpu" else 50
+    if args.dry_run:
+        print(f"dry run: {list(cases)} on {device}, {warmup} warm-up and {repeats} timed steps")
+        return 0
 
     rounds = args.rounds or (1 if args.quick else 3)
     device_name = (
