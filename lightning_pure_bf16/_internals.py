@@ -175,10 +175,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         _COORDINATOR,
         "fetch_sub_module",
         "method",
-        "wrapped per engine: gathers the next module of the trace once the current one is (prefetch_next_module)",
+        "wrapped per engine: gathers the next module once the current one is (gather.prefetch_next_module)",
         ("self", "current_submodule", "forward"),
     ),
-    PrivateName(_COORDINATOR, "is_complete_trace", "method", "the module order is known (prefetch_next_module)"),
+    PrivateName(_COORDINATOR, "is_complete_trace", "method", "the module order is known (gather.prefetch_next_module)"),
     PrivateName(_COORDINATOR, "__submodule_order", "attribute", "the recorded module order of a step"),
     PrivateName(_COORDINATOR, "__step_id", "attribute", "the index of the next module in that order"),
     PrivateName(
@@ -567,7 +567,7 @@ COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
 }
 
 
-# ------------------------------------------------------------------------------------------------------ resolution
+# ----------------------------------------------------------------------------------------------------------- resolution
 def resolve(owner: str) -> Any:
     """The object named ``"module:Qualname"`` (or ``"module"``); a nested function is not resolvable this way."""
     module_name, _, qualname = owner.partition(":")
@@ -633,7 +633,7 @@ def _read(obj: Any, name: str, why: str) -> Any:
         ) from None
 
 
-# ------------------------------------------------------------------------------------------------------ DeepSpeed
+# ------------------------------------------------------------------------------------------------------------ DeepSpeed
 def use_cpu_deepspeed_accelerator_if_no_cuda() -> None:
     """DeepSpeed picks its accelerator once, at first use; without CUDA it must be told to use the CPU before that."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
@@ -800,61 +800,31 @@ def reduce_full_buckets_at_once(zero_optimizer: Any) -> None:
     zero_optimizer.reduce_independent_p_g_buckets_and_remove_grads = add_then_reduce_if_full
 
 
-def prefetch_next_module(zero_optimizer: Any, active: Callable[[], bool] = lambda: True) -> None:
-    """Gather the next module of the step ahead of its use, one module at a time (``gather_cache="next"``).
+class Zero3Coordinator:
+    """ZeRO-3's parameter coordinator of one engine, as the gather policy (:mod:`lightning_pure_bf16.gather`) reads
+    it: the recorded module order and where the step is in it, its all-gather, and its fetch of a module, which
+    :meth:`wrap_fetch` replaces on this coordinator only."""
 
-    With ``gather_cache="layer"`` every module's all-gather starts when its forward or backward needs it and nothing
-    overlaps it. ZeRO-3's own prefetcher cannot be used with a release after each use: it does not release a
-    parameter it scanned past while that parameter was gathered, and with any prefetch bucket a step held every layer
-    again. Here, once ZeRO-3 has gathered the module it is about to run, the next module of the recorded order (the
-    same order ZeRO-3 checks each step against) that has partitioned parameters starts its all-gather, registered as
-    in flight, so that ZeRO-3's own fetch of it waits on that gather instead of starting one. At most the module in use
-    and the next one are gathered; each is still released after its use. Before the order is recorded (ZeRO-3's first
-    two steps), after the last module and while ``active()`` is false nothing is prefetched. Wrapped on this engine's
-    coordinator only.
-    """
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    def __init__(self, zero_optimizer: Any) -> None:
+        offload = _read(zero_optimizer, "parameter_offload", "the owner of ZeRO-3's parameter coordinator")
+        self._coordinator = offload.get_param_coordinator()
+        self.fetch = _read(self._coordinator, "fetch_sub_module", "ZeRO-3's fetch of a module's parameters")
+        self.is_complete_trace = _read(self._coordinator, "is_complete_trace", "whether the module order is recorded")
+        self.all_gather = _read(
+            self._coordinator, "_PartitionedParameterCoordinator__all_gather_params", "ZeRO-3's all-gather"
+        )
+        for name in ("__submodule_order", "__step_id"):
+            _read(self._coordinator, "_PartitionedParameterCoordinator" + name, "the recorded module order")
 
-    offload = _read(zero_optimizer, "parameter_offload", "the owner of ZeRO-3's parameter coordinator")
-    coordinator = offload.get_param_coordinator()
-    fetch = _read(coordinator, "fetch_sub_module", "ZeRO-3's fetch of a module's parameters")
-    complete = _read(coordinator, "is_complete_trace", "whether the module order is recorded")
-    gather = _read(coordinator, "_PartitionedParameterCoordinator__all_gather_params", "ZeRO-3's all-gather")
-    for name in ("__submodule_order", "__step_id"):
-        _read(coordinator, "_PartitionedParameterCoordinator" + name, "the recorded module order")
+    def modules_ahead(self) -> list[torch.nn.Module]:
+        """The modules of the recorded order from the one the step is at."""
+        coordinator = self._coordinator
+        return coordinator._PartitionedParameterCoordinator__submodule_order[
+            coordinator._PartitionedParameterCoordinator__step_id :
+        ]
 
-    def fetch_then_prefetch(current_submodule: Any, forward: bool) -> None:
-        fetch(current_submodule, forward)
-        if not (complete() and active()):
-            return
-        order = coordinator._PartitionedParameterCoordinator__submodule_order
-        step = coordinator._PartitionedParameterCoordinator__step_id
-        # The next module of the order that has partitioned parameters (containers and activations have none).
-        for following in order[step:]:
-            if params := _partitioned_params(following):
-                missing = {p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE}
-                if missing:
-                    gather(missing, forward)
-                return
-
-    coordinator.fetch_sub_module = fetch_then_prefetch
-
-
-def _partitioned_params(module: torch.nn.Module) -> list[Any]:
-    """The parameters ZeRO-3 gathers when it fetches ``module`` (its own, or all of a ZeRO-3 leaf module's), less the
-    persistent ones it never partitions."""
-    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
-    from deepspeed.utils import z3_leaf_module
-
-    return [p for p in iter_params(module, recurse=z3_leaf_module(module)) if not p.ds_persist]
-
-
-def largest_gathered_module_bytes(module: torch.nn.Module) -> int:
-    """The bytes of the largest set of parameters ZeRO-3 gathers at once for one module of ``module``: what
-    :func:`prefetch_next_module` adds at most."""
-    return max(
-        (sum(p.ds_numel * p.element_size() for p in _partitioned_params(m)) for m in module.modules()), default=0
-    )
+    def wrap_fetch(self, fetch: Callable[[Any, bool], None]) -> None:
+        self._coordinator.fetch_sub_module = fetch
 
 
 def wrap_deepspeed_collectives(wrap_all_gather: Callable[..., Any], wrap_reduce_scatter: Callable[..., Any]) -> None:
@@ -1067,8 +1037,7 @@ def set_engine_counters(engine: Any, *, global_steps: int, global_samples: int, 
         setattr(engine, name, value)
 
 
-# ------------------------------------------------------------------------------------------------------ Lightning
-# ------------------------------------------------------------------------------------------------------ Accelerate
+# ------------------------------------------------------------- DeepSpeed as Accelerate and the checkpoint engine use it
 _REPLACED_INITIALIZE: list[Any] = []
 
 
@@ -1120,6 +1089,7 @@ def route_accelerate_deepspeed(accelerator: Any, initialize: Any) -> None:
     accelerator._prepare_deepspeed = prepare_deepspeed
 
 
+# ------------------------------------------------------------------------------------------- transformers and zero.Init
 def transformers_saved_names(model: torch.nn.Module, shapes: dict[str, torch.Size]) -> list[str] | None:
     """The names ``save_pretrained`` would write for a model whose state has these names and shapes: tied weights
     once, under the name the model expects on load. None where it would also rename or reshape tensors (a model with
@@ -1333,6 +1303,7 @@ def transformers_partitioned_init() -> Iterator[None]:
         PreTrainedModel.init_weights = original
 
 
+# ------------------------------------------------------------------------------------------------------------ Lightning
 def lightning_remove_module_hooks(model: torch.nn.Module) -> None:
     """Lightning's own clean-up of DeepSpeed's module hooks before an inference engine is built."""
     from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -1411,7 +1382,7 @@ def _fabric_backward_sync_control() -> type:
 FabricBackwardSyncControl: type = _fabric_backward_sync_control()
 
 
-# ------------------------------------------------------------------------------------------------------ torch
+# ---------------------------------------------------------------------------------------------------------------- torch
 def is_persistent_buffer(module: torch.nn.Module, name: str) -> bool:
     """Whether ``module``'s own buffer ``name`` goes into its state dict (``register_buffer(persistent=True)``)."""
     return name not in _read(module, "_non_persistent_buffers_set", "the buffers a state dict leaves out")
@@ -1453,6 +1424,16 @@ def mark_step_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper  # type: ignore[method-assign]
 
 
+# ------------------------------------------------------------------------------------ Lightning's ModelParallelStrategy
+def fill_data_parallel_size(strategy: Any) -> None:
+    """Lightning's ``ModelParallelStrategy`` with ``data_parallel_size="auto"`` takes the number of nodes; an FSDP2 run
+    alone on every rank needs the world size divided by the tensor-parallel size (before its mesh is built)."""
+    tensor_parallel = strategy._tensor_parallel_size
+    if strategy._data_parallel_size == "auto" and isinstance(tensor_parallel, int):
+        strategy._data_parallel_size = max(strategy.world_size // tensor_parallel, 1)
+
+
+# --------------------------------------------------------------------------------------- torch's weights-only unpickler
 # The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins (the optimizer-state files:
 # ZeRO's loss scaler, a static one under bf16, and its stage enum), in the configurations this package saves and the
 # DeepSpeed bf16-mixed checkpoints it converts. Constructing either runs no code beyond their own ``__init__``.
@@ -1498,14 +1479,6 @@ def dcp_metadata_global(module: str, name: str) -> Any:
     return None
 
 
-def fill_data_parallel_size(strategy: Any) -> None:
-    """Lightning's ``ModelParallelStrategy`` with ``data_parallel_size="auto"`` takes the number of nodes; an FSDP2 run
-    alone on every rank needs the world size divided by the tensor-parallel size (before its mesh is built)."""
-    tensor_parallel = strategy._tensor_parallel_size
-    if strategy._data_parallel_size == "auto" and isinstance(tensor_parallel, int):
-        strategy._data_parallel_size = max(strategy.world_size // tensor_parallel, 1)
-
-
 def checkpoint_safe_globals() -> list[Any]:
     """The allowlist of :data:`CHECKPOINT_GLOBALS` for torch's weights-only unpickler (``torch.serialization``)."""
     return [resolve(name) for name in CHECKPOINT_GLOBALS]
@@ -1519,6 +1492,7 @@ __all__ = [
     "PRIVATE_NAMES",
     "PrivateName",
     "UpstreamChanged",
+    "Zero3Coordinator",
     "alias_bf16_master_partitions",
     "checkpoint_safe_globals",
     "dcp_metadata_global",

@@ -10,7 +10,7 @@ from typing import Any
 # layer while one computes (FSDP2's pattern: one more layer at the peak, the all-gathers overlapped); "keep" is
 # DeepSpeed's default, every layer gathered in the forward held until its backward (2 bytes/param more at the peak,
 # one all-gather fewer per step); "auto", the default, runs the first step as "layer" and the rest as "next" when every
-# rank has room for it at that step's peak (core.NextLayerIfItFits).
+# rank has room for it at that step's peak (gather.NextLayerIfItFits).
 GATHER_CACHES = ("layer", "next", "auto", "keep")
 
 # What pure bf16 needs from DeepSpeed: bf16 everywhere, bf16 master weights/grads (aliased to the parameter partition

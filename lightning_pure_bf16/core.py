@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_pure_bf16 import _internals, collectives
+from lightning_pure_bf16 import _internals, collectives, gather
 from lightning_pure_bf16.checkpoint import (
     TAG,
     CheckpointError,
@@ -476,7 +476,7 @@ def after_engine_setup(
     init_zero3_optimizer_state(engine.optimizer)
     _internals.reduce_full_buckets_at_once(engine.optimizer)
     if gather_cache == "next":
-        _internals.prefetch_next_module(engine.optimizer)
+        gather.prefetch_next_module(engine.optimizer)
     release = None
     if gradient_release:
         # ZeRO-3's step then updates nothing: the step's gradient views and norm are not installed (they would keep
@@ -496,8 +496,8 @@ def after_engine_setup(
             f" rank 0 ({free:.1f} GiB left on that disk); each rank has its own directory there."
         )
     meter = PeakMeter(device)
-    gather = NextLayerIfItFits(engine, meter, strategy_name) if gather_cache == "auto" else None
-    run = EngineRun(engine, strategy_name, meter, release, gather)
+    gather_policy = gather.NextLayerIfItFits(engine, meter, strategy_name) if gather_cache == "auto" else None
+    run = EngineRun(engine, strategy_name, meter, release, gather_policy)
     meter.reset()
     return run
 
@@ -520,12 +520,12 @@ class EngineRun:
         strategy_name: str,
         meter: PeakMeter,
         release: GradientRelease | None,
-        gather: NextLayerIfItFits | None,
+        policy: gather.NextLayerIfItFits | None,
     ) -> None:
         self.engine, self.strategy_name, self.meter = engine, strategy_name, meter
-        self.release, self.gather = release, gather
-        if gather is not None:
-            gather.install()
+        self.release, self.gather = release, policy
+        if policy is not None:
+            policy.install()
         zero_optimizer = engine.optimizer
         step = zero_optimizer.step  # gradient release's bookkeeping step, where release replaced it
 
@@ -574,83 +574,6 @@ def engine_run(engine: Any) -> EngineRun | None:
     """What the package keeps for ``engine`` (:class:`EngineRun`), or ``None`` for an engine it did not set up."""
     run = getattr(engine, "pure_bf16", None)
     return run if isinstance(run, EngineRun) else None
-
-
-class NextLayerIfItFits:
-    """``gather_cache="auto"``: the first optimizer step runs as ``"layer"`` (one layer gathered at a time); right
-    after it, every rank measures the memory it could still take at that step's peak, and if every rank has room for
-    twice what gathering the next layer ahead adds, the following steps run as ``"next"``.
-
-    The decision needs the step's activations, which are unknown at setup. What gathering ahead adds is the largest
-    module's gathered parameters (twice that on the CPU, where gloo stages the all-gather in a copy of its own); the
-    factor of two leaves room for fragmentation and for batches larger than the first. On the CPU the ranks of a
-    machine share its memory, so their peaks and the layers they would add are summed against it. Every rank takes the
-    same decision (ZeRO-3's all-gathers must be issued in the same order everywhere), and it is logged once.
-    """
-
-    MARGIN = 2
-
-    def __init__(self, engine: Any, meter: PeakMeter, strategy_name: str) -> None:
-        self.engine, self.meter, self.strategy_name = engine, meter, strategy_name
-        self.on = False
-        self.decided = False
-
-    def install(self) -> None:
-        """Gather ahead on this engine while :attr:`on` (decided by :meth:`after_step`)."""
-        _internals.prefetch_next_module(self.engine.optimizer, active=lambda: self.on)
-
-    def after_step(self) -> None:
-        """After each optimizer step: the first one decides."""
-        if not self.decided:
-            self.decided = True
-            self.on = self.decide()
-
-    def decide(self) -> bool:
-        device = self.meter.device
-        need = self.MARGIN * _internals.largest_gathered_module_bytes(self.engine.module)
-        if device.type == "cpu":
-            need *= 2
-        measured = self.meter.headroom()
-        if _reduce(0.0 if measured is None else 1.0, "min", device) == 0.0:
-            rank_zero_info(
-                f"{self.strategy_name}: gather_cache='auto': no peak memory can be measured here, so the layers stay"
-                " gathered one at a time (as gather_cache='layer'); gather_cache='next' gathers the next one ahead."
-            )
-            return False
-        available, above = measured
-        if device.type == "cpu":  # one machine's memory for all its ranks
-            demand = _reduce(above + need, "sum", device)
-            room = _reduce(available, "min", device) - demand
-        else:
-            room = _reduce(available - above - need, "min", device)
-        fits = room >= 0
-        gib = 1024**3
-        where = "of the memory this machine's ranks share" if device.type == "cpu" else "on the tightest rank"
-        rank_zero_info(
-            f"{self.strategy_name}: gather_cache='auto': gathering the next layer ahead needs {need / gib:.2f} GiB per"
-            " rank (twice its gathered parameters"
-            + (", and gloo's copy of them" if device.type == "cpu" else "")
-            + "); at the peak of the first step that "
-            + (f"leaves {room / gib:.2f} GiB {where}" if fits else f"is {-room / gib:.2f} GiB short {where}")
-            + ": "
-            + (
-                "the next layer is gathered ahead from now on (as gather_cache='next')."
-                if fits
-                else "the layers stay gathered one at a time (as gather_cache='layer')."
-            )
-        )
-        return fits
-
-
-def _reduce(value: float, op: str, device: torch.device) -> float:
-    """``value`` reduced over every rank (``"min"`` or ``"sum"``); itself without a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)
-    return tensor.item()
 
 
 def gradient_release(engine: Any) -> GradientRelease | None:

@@ -369,7 +369,7 @@ def test_auto_gathers_the_next_layer_only_where_twice_it_and_the_steps_peak_fit(
     import logging
     from types import SimpleNamespace
 
-    from lightning_pure_bf16.core import NextLayerIfItFits
+    from lightning_pure_bf16.gather import NextLayerIfItFits
 
     # Two layers of 1,000 bf16 elements that ZeRO-3 partitions, the larger one 2,000 bytes gathered; and one it
     # keeps whole (persistent), which no all-gather ever adds.

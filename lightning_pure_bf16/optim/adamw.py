@@ -6,6 +6,7 @@ CUDA tensors, a chunked PyTorch path everywhere else), which draw identical rand
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -491,15 +492,22 @@ class AdamW(Optimizer):
         :meth:`update_slice`)."""
         state = self.state[p]
         seed, offset = self._noise(p)
-        args = functional.update_args(**_hyperparameters(group), step=step, seed=seed, stream=state["stream"])
-        states = {k: sharded.local(state[k]) for k in _STORED_KEYS if k in state}
+        run = functools.partial(
+            functional.adamw,
+            step=step,
+            **_hyperparameters(group),
+            seed=seed,
+            stream=state["stream"],
+            backend=backend,
+            chunk_size=self.chunk_size,
+        )
+        # A remainder kept from an earlier rounding="kahan" is neither read nor written under another rounding.
+        keys = [k for k in _STORED_KEYS if k in state and (k != "kahan_comp" or group["rounding"] == "kahan")]
         self._storage.update(
-            functional.update_function(backend, self.chunk_size),
+            run,
             sharded.local(p),
             grad,
-            states,
-            args,
-            kahan=group["rounding"] == "kahan" and "kahan_comp" in states,
+            {k: sharded.local(state[k]) for k in keys},
             start=start,
             index_offset=offset + start,
             defer_writes=defer_writes,

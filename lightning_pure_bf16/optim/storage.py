@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_pure_bf16.ops import quant
-from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
 from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.mmap_states import MmapStateStore, StateStreamer, check_state_dir, read_ahead
 from lightning_pure_bf16.optim.state_dicts import (
@@ -29,7 +28,9 @@ from lightning_pure_bf16.optim.state_dicts import (
 if TYPE_CHECKING:
     from lightning_pure_bf16.optim.adamw import AdamW
 
-UpdateFn = Callable[..., None]
+# The update of one tensor or range: :func:`lightning_pure_bf16.optim.functional.adamw` with the step's scalars bound,
+# called as ``run(param, grad, exp_avg, exp_avg_sq, index_offset=..., **other_states)``.
+Run = Callable[..., None]
 # A state buffer to make: its key, elements and dtype.
 Spec = tuple[str, int, torch.dtype]
 
@@ -48,10 +49,11 @@ def _ranges(
     return param.view(-1)[start:end], grad.reshape(-1), pieces
 
 
-def _call(update: UpdateFn, param, grad, states: dict[str, torch.Tensor], args, kahan: bool, index_offset: int) -> None:  # noqa: ANN001
-    scales = {k: v for k, v in states.items() if k in SCALE_KEYS}
-    comp = states.get("kahan_comp") if kahan else None
-    update(param, grad, states["exp_avg"], states["exp_avg_sq"], comp, args, index_offset=index_offset, **scales)
+def _call(
+    run: Run, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], index_offset: int
+) -> None:
+    others = {k: v for k, v in states.items() if k not in ("exp_avg", "exp_avg_sq")}
+    run(param, grad, states["exp_avg"], states["exp_avg_sq"], index_offset=index_offset, **others)
 
 
 class InMemory:
@@ -83,21 +85,19 @@ class InMemory:
 
     def update(
         self,
-        update: UpdateFn,
+        run: Run,
         param: torch.Tensor,
         grad: torch.Tensor,
         states: dict[str, torch.Tensor],
-        args: UpdateArgs,
         *,
-        kahan: bool,
         start: int,
         index_offset: int,
         defer_writes: bool,
     ) -> None:
-        """Run ``update`` on elements ``[start, start + grad.numel())`` of ``param`` and its ``states`` (local tensors,
-        whole), the first of them drawing the random bits of element ``index_offset``."""
+        """``run`` on elements ``[start, start + grad.numel())`` of ``param`` and its ``states`` (local tensors, whole,
+        the ones this update writes), the first of them drawing the random bits of element ``index_offset``."""
         param, grad, states = _ranges(param, grad, states, start, flat=False)
-        _call(update, param, grad, states, args, kahan, index_offset)
+        _call(run, param, grad, states, index_offset)
 
     def wait_for_writes(self) -> None:
         """Every write is done when the update returns."""
@@ -176,13 +176,11 @@ class InFiles:
 
     def update(
         self,
-        update: UpdateFn,
+        run: Run,
         param: torch.Tensor,
         grad: torch.Tensor,
         states: dict[str, torch.Tensor],
-        args: UpdateArgs,
         *,
-        kahan: bool,
         start: int,
         index_offset: int,
         defer_writes: bool,
@@ -197,7 +195,7 @@ class InFiles:
             read_ahead([states[k].view(-1)[max(0, start - n) : start] for k in BUFFER_KEYS if k in states])
         whole = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
         flat, grad, pieces = _ranges(whole, grad, states, start, flat=True)
-        keys = ["exp_avg", "exp_avg_sq", *(["kahan_comp"] if kahan else []), *(k for k in SCALE_KEYS if k in pieces)]
+        keys = list(pieces)
         specs = tuple((pieces[k].dtype, quant.QBLOCK if k in SCALE_KEYS else 1) for k in keys)
         # Slots as large as the largest tensor seen (a power of two), at most `chunk`: small models do not pay for
         # 8 MiB slots. 8-bit moments stream whole scale blocks.
@@ -214,7 +212,7 @@ class InFiles:
             return (dict(zip(keys, chunks)),)
 
         def call(param_chunk, grad_chunk, chunk_states, index_offset):  # noqa: ANN001, ANN202
-            _call(update, param_chunk, grad_chunk, chunk_states, args, kahan, index_offset)
+            _call(run, param_chunk, grad_chunk, chunk_states, index_offset)
 
         streamer.update(call, flat, grad, [pieces[k] for k in keys], forward, index_offset, defer_writes)
         if not param.is_contiguous():
