@@ -196,8 +196,10 @@ def adamw_update_torch_(
                 # SR of the exact p + delta: the float32 sum alone would round away an update of 1e-7 of the weight.
                 p_out = stochastic_round_sum_bf16(p, delta, bits_p)
             if not int8_moments:
-                m_out = stochastic_round_bf16(m, random_bits(args.keys[1], index_offset + start, idx))
-                v_out = stochastic_round_bf16(v, random_bits(args.keys[2], index_offset + start, idx))
+                # One word of random bits for both moments: m rounds with its low half, v with its high half.
+                bits_mv = random_bits(args.keys[1], index_offset + start, idx)
+                m_out = stochastic_round_bf16(m, bits_mv)
+                v_out = stochastic_round_bf16(v, bits_mv >> 16)
         if int8_moments:
             # The block scales of the new moments, then their codes (nearest rounding has no 8-bit form: 8-bit
             # writes are always stochastic).

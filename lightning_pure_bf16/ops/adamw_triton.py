@@ -44,9 +44,8 @@ def _mix32(x):
 
 
 @triton.jit
-def _stochastic_round(x, key, hi, lo):
-    kb = _mix32(key.to(tl.uint32) ^ hi)
-    r = _mix32(lo ^ kb) & 0xFFFF
+def _round_with_bits(x, r):
+    # r: 16 random bits (uint32 below 2**16), added below the 16 bits bf16 keeps.
     b = x.to(tl.uint32, bitcast=True) + r
     return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
 
@@ -290,8 +289,10 @@ def _adamw_kernel(
         tl.store(m_ptr + offsets, _nearest_round(m), mask=mask)
         tl.store(v_ptr + offsets, _nearest_round(v), mask=mask)
     else:
-        tl.store(m_ptr + offsets, _stochastic_round(m, key_m, hi, lo), mask=mask)
-        tl.store(v_ptr + offsets, _stochastic_round(v, key_v, hi, lo), mask=mask)
+        # One word of random bits for both moments: m rounds with its low half, v with its high half.
+        r = _random_word(key_m, hi, lo)
+        tl.store(m_ptr + offsets, _round_with_bits(m, r & 0xFFFF), mask=mask)
+        tl.store(v_ptr + offsets, _round_with_bits(v, r >> 16), mask=mask)
 
 
 def adamw_update_triton_(

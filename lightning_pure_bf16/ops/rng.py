@@ -28,7 +28,9 @@ KEY_MASK = 0x7FFFFFFF
 
 
 class Buffer(IntEnum):
-    """Which buffer a stream of random bits rounds; each gets an independent stream."""
+    """Which buffer a stream of random bits rounds; each gets an independent stream, but for bf16 moments, which share
+    the ``EXP_AVG`` stream: each element's 32-bit word rounds ``exp_avg`` with its low 16 bits and ``exp_avg_sq`` with
+    its high 16 (one hash per element for both; 8-bit moments, which take 24 bits each, draw from their own)."""
 
     PARAM = 0
     EXP_AVG = 1

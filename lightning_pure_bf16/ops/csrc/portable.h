@@ -48,8 +48,9 @@ void update_portable(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, u
           abuf[j] = p;
         }
         bbuf[j] = delta;
-        Mc[j] = round_stochastic(m, mix32(lo ^ km));
-        Vc[j] = round_stochastic(v, mix32(lo ^ kv));
+        const uint32_t r = mix32(lo ^ km);  // one word for both moments: m its low half, v its high half
+        Mc[j] = round_stochastic(m, r);
+        Vc[j] = round_stochastic(v, r >> 16);
       }
     }
     if (ROUNDING != 0 && exact != 0) {

@@ -164,8 +164,9 @@ void update_qblock_portable(uint16_t* __restrict__ Pb, const uint16_t* __restric
   } else {
     for (int64_t j = 0; j < count; ++j) {
       const uint32_t lo = lo0 + static_cast<uint32_t>(j);
-      Mb[j] = round_stochastic(mbuf[j], mix32(lo ^ km));
-      Vb[j] = round_stochastic(vbuf[j], mix32(lo ^ kv));
+      const uint32_t r = mix32(lo ^ km);  // one word for both moments: m its low half, v its high half
+      Mb[j] = round_stochastic(mbuf[j], r);
+      Vb[j] = round_stochastic(vbuf[j], r >> 16);
     }
   }
 }
@@ -325,8 +326,9 @@ void update_qblock(uint16_t* __restrict__ Pb, const uint16_t* __restrict__ Gb, M
       A::store_high16(reinterpret_cast<uint16_t*>(Mb) + j, round_nearest_v<A>(m));
       A::store_high16(reinterpret_cast<uint16_t*>(Vb) + j, round_nearest_v<A>(v));
     } else {
-      A::store_high16(reinterpret_cast<uint16_t*>(Mb) + j, round_stochastic_v<A>(m, mix32v<A>(A::ixor(lo, km))));
-      A::store_high16(reinterpret_cast<uint16_t*>(Vb) + j, round_stochastic_v<A>(v, mix32v<A>(A::ixor(lo, kv))));
+      const I r = mix32v<A>(A::ixor(lo, km));  // one word for both moments: m its low half, v its high half
+      A::store_high16(reinterpret_cast<uint16_t*>(Mb) + j, round_stochastic_v<A>(m, r));
+      A::store_high16(reinterpret_cast<uint16_t*>(Vb) + j, round_stochastic_v<A>(v, A::template srli<16>(r)));
     }
   }
   if (A::any(exact)) decide_sums_exactly<ROUNDING>(Pb, Cb, QBLOCK, key, buf);  // rare, as in the portable loop

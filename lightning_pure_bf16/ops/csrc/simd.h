@@ -303,8 +303,9 @@ PB16_INLINE void update_lanes(Out<A>& o, typename A::F p, typename A::F g, typen
   } else {
     o.p = round_stochastic_sum_v<A>(p, delta, rp, exact);
   }
-  o.m = round_stochastic_v<A>(m, mix32v<A>(A::ixor(lo, k.km)));
-  o.v = round_stochastic_v<A>(v, mix32v<A>(A::ixor(lo, k.kv)));
+  const typename A::I r = mix32v<A>(A::ixor(lo, k.km));  // one word for both moments: m its low half, v its high
+  o.m = round_stochastic_v<A>(m, r);
+  o.v = round_stochastic_v<A>(v, A::template srli<16>(r));
 }
 
 // Elements [begin, begin + 2 * LANES * steps); returns where it stopped (the portable loop does the rest).
