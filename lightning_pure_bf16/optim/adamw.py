@@ -153,7 +153,7 @@ class AdamW(Optimizer):
         self.moments = moments
         self.compensation = compensation
         self._closed = False
-        self._storage = storage.make(state_storage, state_dir, state_chunk_size, who=name)
+        self._storage = storage.make(state_storage, state_dir, state_chunk_size, name=name)
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -264,7 +264,7 @@ class AdamW(Optimizer):
         def flag() -> torch.Tensor:
             return functional.any_nonfinite([sharded.local(p.grad)], self.backend)
 
-        updated = self._apply([(p, group)], flag, agree_over=sharded.dtensors([{"params": [p]}]))
+        updated = self._apply([(p, group)], flag, agree_over=sharded.dtensors([p]))
         if not updated:
             self.skipped_parameter_updates += 1
         return updated
@@ -284,8 +284,9 @@ class AdamW(Optimizer):
                 loss = closure()
         params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
         # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank takes
-        # part in the agreement.
-        if not self._apply(params, self.nonfinite_grads, agree_over=sharded.dtensors(self.param_groups)):
+        # part in the agreement, over all its DTensor parameters (with a gradient or not).
+        every = sharded.dtensors(q for g in self.param_groups for q in g["params"])
+        if not self._apply(params, self.nonfinite_grads, agree_over=every):
             self.record_skipped_step()
         return loss
 

@@ -14,6 +14,7 @@ decides is where a shard's random bits come from:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,9 @@ def like_if_sharded(local_tensor: torch.Tensor, p: torch.Tensor) -> torch.Tensor
     return like(local_tensor, p) if is_dtensor(p) else local_tensor
 
 
-def dtensors(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
-    """The DTensor parameters of the parameter groups ``groups`` (dicts with ``"params"``)."""
-    return [p for g in groups for p in g["params"] if is_dtensor(p)]
+def dtensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The DTensors among ``tensors``."""
+    return [t for t in tensors if is_dtensor(t)]
 
 
 def checked_local(name: str, p: torch.Tensor) -> tuple[torch.Tensor, str]:

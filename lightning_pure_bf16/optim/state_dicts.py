@@ -132,7 +132,7 @@ def state_dict(optimizer: AdamW) -> dict[str, Any]:
         "skipped_steps": optimizer.skipped_steps,
         "next_stream": optimizer._next_stream,
     }
-    if sharded.dtensors(optimizer.param_groups):
+    if sharded.dtensors(p for g in optimizer.param_groups for p in g["params"]):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         sd["state"] = {index: _per_element_scales(params[index], st) for index, st in sd["state"].items()}
         for group in sd["param_groups"]:

@@ -123,9 +123,9 @@ class InFiles:
     streamed through the update in chunks of at most ``chunk`` elements (:class:`StateStreamer`): the device holds
     none of them. The files go when :meth:`close` is called, the object is collected, or the interpreter exits."""
 
-    def __init__(self, state_dir: str | os.PathLike, chunk: int, *, who: str) -> None:
-        self.chunk = chunk
-        self.who = who
+    def __init__(self, state_dir: str | os.PathLike, chunk: int, *, name: str, copy: bool = False) -> None:
+        self.chunk, self.name = chunk, name
+        who = f"{name}(state_storage='mmap', state_dir={os.fspath(state_dir)!r})" + (" (a copy)" if copy else "")
         self.store = MmapStateStore(check_state_dir(state_dir, who=who), who=who)
         self.streamers: dict[tuple[Any, ...], StateStreamer] = {}
         self.closed = False
@@ -264,18 +264,18 @@ class InFiles:
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, ``pickle``) makes files of its own under the same ``state_dir``; the original's
         are never touched."""
-        self.check_kept(self.who.split("(")[0], "copy")
-        return {"root": os.fspath(self.store.root), "chunk": self.chunk, "who": self.who}
+        self.check_kept(self.name, "copy")
+        return {"root": os.fspath(self.store.root), "chunk": self.chunk, "name": self.name}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        who = state["who"] if state["who"].endswith("(a copy)") else f"{state['who']} (a copy)"
-        self.__init__(state["root"], state["chunk"], who=who)  # type: ignore[misc]
+        self.__init__(state["root"], state["chunk"], name=state["name"], copy=True)  # type: ignore[misc]
 
 
-def make(state_storage: str, state_dir: str | os.PathLike | None, chunk: int, *, who: str) -> InMemory | InFiles:
-    """The storage ``state_storage`` names (``"memory"`` or ``"mmap"``, checked by the caller)."""
+def make(state_storage: str, state_dir: str | os.PathLike | None, chunk: int, *, name: str) -> InMemory | InFiles:
+    """The storage ``state_storage`` names (``"memory"`` or ``"mmap"``, checked by the caller); ``name``: the
+    optimizer's, for messages."""
     if state_storage == "mmap":
-        return InFiles(state_dir, chunk, who=f"{who}(state_storage='mmap', state_dir={os.fspath(state_dir)!r})")  # type: ignore[arg-type]
+        return InFiles(state_dir, chunk, name=name)  # type: ignore[arg-type]
     return InMemory()
 
 
