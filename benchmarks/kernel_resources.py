@@ -6,8 +6,10 @@ and sm_90 (H100/H200). Compiled with Triton's own ``triton.compile`` and a CUDA 
 triton wheel); registers and local memory (spills) read from the cubin with the wheel's ``cuobjdump``, and the SASS
 instructions it disassembles counted per element (the kernel has no loop: each thread runs its elements unrolled, so
 the instructions of one pass over the kernel, less ``NOP`` padding and the closing self-branch, divided by the
-elements per thread). For the default configurations the report sets the time those instructions take at a device's
-issue rate beside the time the kernel's bytes take at its memory bandwidth: the larger bounds the step.
+elements per thread), and those a thread executes on the common path (``executed_instructions``: the listing also
+holds the slow paths of the correctly rounded division and square root). For the default configurations the report
+sets the time the executed instructions take at a device's issue rate beside the time the kernel's bytes take at its
+memory bandwidth: the larger bounds the step.
 
     python benchmarks/kernel_resources.py            # both architectures, every specialisation
     python benchmarks/kernel_resources.py --quick    # sm_90 only
@@ -74,11 +76,12 @@ def _signature(grad: str, ints: str, q8m: bool = False, c8: bool = False) -> dic
     }
 
 
-def _usage(cubin: bytes) -> tuple[int | None, int | None, int | None]:
-    """Registers, local memory bytes and SASS instructions (``None`` each where the wheel has no ``cuobjdump``)."""
+def _usage(cubin: bytes) -> tuple[int | None, int | None, int | None, int | None]:
+    """Registers, local memory bytes, SASS instructions and those one thread executes (``None`` each where the wheel
+    has no ``cuobjdump``)."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():
-        return None, None, None
+        return None, None, None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -89,6 +92,7 @@ def _usage(cubin: bytes) -> tuple[int | None, int | None, int | None]:
         (int(registers.group(1)) if registers else None),
         (int(local.group(1)) if local else None),
         sass_instructions(sass),
+        executed_instructions(sass),
     )
 
 
@@ -99,6 +103,38 @@ def sass_instructions(sass: str) -> int:
     while body and body[-1].startswith("BRA"):
         body.pop()
     return len(body)
+
+
+def executed_instructions(sass: str) -> int:
+    """The instructions one thread executes on the common path of a ``cuobjdump -sass`` listing: from the start to the
+    unconditional ``EXIT``, every element in range, and no division or square root taking its slow path.
+
+    The listing holds more than runs: the correctly rounded division and square root branch around a call of a
+    slow-path subroutine (denormal, infinite or huge operands), and those subroutines follow the ``EXIT``. The walk
+    follows unconditional branches, takes a conditional branch where the code it skips calls a subroutine, and falls
+    through every other one (a predicated ``EXIT`` of threads past the end included).
+    """
+    rows = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    at = {int(address, 16): i for i, (address, _, _, _) in enumerate(rows)}
+    count, i = 0, 0
+    for _ in range(len(rows)):
+        _, predicate, opcode, operands = rows[i]
+        if opcode.startswith("NOP"):
+            i += 1
+            continue
+        count += 1
+        if opcode == "EXIT" and not predicate:
+            return count
+        if opcode.startswith("BRA"):
+            target = at[int(re.search(r"0x([0-9a-f]+)", operands).group(1), 16)]
+            j = i + 1
+            while j < len(rows) and not rows[j][2].startswith(("BRA", "BSYNC", "EXIT", "CALL")):
+                j += 1
+            if not predicate or (j < len(rows) and rows[j][2].startswith("CALL")):
+                i = target
+                continue
+        i += 1
+    raise ValueError("no path to EXIT in the listing (a loop?)")
 
 
 def bytes_per_element(grad: str, rounding: str) -> float:
@@ -123,12 +159,13 @@ def _build(source: ASTSource, arch: int) -> dict:
     """Compile one specialisation for ``sm_<arch>``; what it uses."""
     options = {"num_warps": adamw_triton.NUM_WARPS, "enable_fp_fusion": False}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    registers, local, sass = _usage(compiled.asm["cubin"])
+    registers, local, sass, executed = _usage(compiled.asm["cubin"])
     return {
         "registers": registers,
         "local_bytes": local,
         "sass": sass,
         "sass_per_element": None if sass is None else round(sass / ELEMENTS_PER_THREAD, 1),
+        "executed_per_element": None if executed is None else round(executed / ELEMENTS_PER_THREAD, 1),
         "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
         "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v\d", compiled.asm["ptx"])),
         "cubin_bytes": len(compiled.asm["cubin"]),
@@ -226,20 +263,22 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command}`. Builds with local memory (spills): {spills}. Fused multiply-adds: "
         f"{sum(r['fma'] for r in rows)} (must be 0: the backends round every product on its own). SASS instructions"
-        f" per element: one pass over the kernel's instructions (no loop; NOP padding left out) over the"
-        f" {ELEMENTS_PER_THREAD} elements each thread updates.",
+        f" per element: the kernel's instructions (no loop; NOP padding left out) over the {ELEMENTS_PER_THREAD}"
+        " elements each thread updates, counted two ways: all of the listing, and those a thread executes on the"
+        " common path (every element in range, no division or square root on its slow path: the listing also holds"
+        " those slow paths' calls and subroutines, which run only for denormal, infinite or huge operands).",
         "",
         "## The default configurations on sm_90: instructions against bytes",
         "",
         "AdamW (decoupled weight decay), bf16 gradient, 32-bit sizes, aligned pointers: what the strategies launch. The"
-        " time of one update of 2^24 elements at the issue rate (132 SMs x 4 warp instructions per clock at"
-        f" {args.clock_ghz or 1.755} GHz, an assumed sustained clock; `DEVICES` in the script) beside the time its"
-        " bytes take at the memory bandwidth (H100 SXM 3.35 TB/s, H200 SXM 4.8 TB/s, as NVIDIA states them); the"
-        " larger bounds the kernel.",
+        " time of one update of 2^24 elements at the issue rate, for the instructions executed (132 SMs x 4 warp"
+        f" instructions per clock at {args.clock_ghz or 1.755} GHz, an assumed sustained clock; `DEVICES` in the"
+        " script), beside the time its bytes take at the memory bandwidth (H100 SXM 3.35 TB/s, H200 SXM 4.8 TB/s, as"
+        " NVIDIA states them); the larger bounds the kernel.",
         "",
-        "| rounding | SASS / element | bytes / element | H100: issue ms | H100: memory ms | H100 bound"
-        " | H200: issue ms | H200: memory ms | H200 bound |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---|",
+        "| rounding | SASS / element | executed / element | bytes / element | H100: issue ms | H100: memory ms"
+        " | H100 bound | H200: issue ms | H200: memory ms | H200 bound |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
         default = (r["arch"], r["weight_decay"], r["grad"], r["ints"], r["aligned"]) == (
@@ -249,26 +288,31 @@ def main(argv: list[str] | None = None) -> int:
             "i32",
             True,
         )
-        if not default or r["sass_per_element"] is None:
+        if not default or r["executed_per_element"] is None:
             continue
         nbytes = bytes_per_element(r["grad"], r["rounding"])
         cells = []
         for device in DEVICES:
-            issue, memory = predicted(r["sass_per_element"], nbytes, device, clock_ghz=args.clock_ghz)
+            issue, memory = predicted(r["executed_per_element"], nbytes, device, clock_ghz=args.clock_ghz)
             cells.append(f"{issue:.3f} | {memory:.3f} | {'memory' if memory >= issue else '**issue**'}")
-        lines.append(f"| {r['rounding']} | {r['sass_per_element']} | {nbytes:g} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['rounding']} | {r['sass_per_element']} | {r['executed_per_element']} | {nbytes:g} | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines += [
         "",
         "## Every specialisation",
         "",
         "| arch | rounding | weight decay | grad | ints | aligned | registers | local bytes | vector loads"
-        " | SASS / element |",
-        "|---|---|---|---|---|---|---:|---:|---:|---:|",
+        " | SASS / element | executed / element |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['arch']} | {r['rounding']} | {r['weight_decay']} | {r['grad']} | {r['ints']} | {r['aligned']} |"
             f" {r['registers']} | {r['local_bytes']} | {r['vector_loads']} | {r['sass_per_element']} |"
+            f" {r['executed_per_element']} |"
         )
     write_results(args.out, "kernel_resources_quick" if args.quick else "kernel_resources", rows, lines, command)
     return 0

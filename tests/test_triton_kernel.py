@@ -163,3 +163,14 @@ def test_every_specialisation_compiles_for_hopper_without_a_gpu():
         if build["local_bytes"] is not None:
             assert build["local_bytes"] == 0 and build["registers"] <= 128, build
         assert (build["vector_loads"] > 0) == build["aligned"], build
+    # The instructions a thread executes per element in what the strategies launch (AdamW, bf16 gradient, 32-bit
+    # sizes, aligned): at most what an H100 issues in the time its memory moves the update's bytes
+    # (benchmarks/results/kernel_resources.md).
+    launched = ("decoupled", "bf16", "i32", True)
+    executed = {
+        b["rounding"]: b["executed_per_element"]
+        for b in builds
+        if (b["weight_decay"], b["grad"], b["ints"], b["aligned"]) == launched
+    }
+    if executed["stochastic"] is not None:
+        assert executed["stochastic"] <= 110 and executed["kahan"] <= 125, executed

@@ -59,27 +59,22 @@ def _stochastic_round_sum(a, b, key, hi, lo):
 def _stochastic_round_sum_bits(a, b, r):
     # Stochastic rounding of the exact a + b at 2**-32 of a bf16 ulp with the 32 random bits r (uint32)
     # (rounding.stochastic_round_sum_bf16 explains each step): the fp32 sum alone would already have lost an update of
-    # 1e-7 of the weight. int64 holds the fraction below the kept 16 bits plus 32 random bits and their carry. (The
-    # C++ loop's all-32-bit form of the same steps compiled to 2 instructions per element fewer here on sm_90 and up to
-    # 36 registers more per thread: benchmarks/kernel_resources.md.)
-    r = r.to(tl.int64)
+    # 1e-7 of the weight. 32-bit integers and float32 only: the TwoSum error enters through one float comparison.
     s = a + b
     bb = s - a
     e = (a - (s - bb)) + (b - bb)
-    sb = s.to(tl.uint32, bitcast=True).to(tl.int64)
-    eb = e.to(tl.uint32, bitcast=True).to(tl.int64)
+    sb = s.to(tl.uint32, bitcast=True)
     mag = sb & 0x7FFFFFFF
-    e_exp = (eb >> 23) & 0xFF
-    e_mant = (eb & 0x7FFFFF) | tl.where(e_exp != 0, 0x800000, 0).to(tl.int64)
-    gap = tl.minimum(tl.maximum(tl.maximum(mag >> 23, 1) - tl.maximum(e_exp, 1), 0), 63)
-    frac = (e_mant << 16) >> gap
-    frac = tl.where(((sb ^ eb) >> 31) != 0, -frac, frac)
-    frac = tl.where((frac < 0) & ((mag & 0x7FFFFF) == 0) & (mag >= 0x01000000), frac * 2, frac)
-    kept = mag >> 16
-    z = ((mag & 0xFFFF) << 16) + frac + r
-    out = kept + (z >> 32)
-    out = tl.where(mag >= 0x7F800000, kept | tl.where(mag > 0x7F800000, 0x40, 0).to(tl.int64), out)
-    b32 = ((out << 16) | (sb & 0x80000000)).to(tl.uint32)
+    err = (e.to(tl.uint32, bitcast=True) ^ (sb & 0x80000000)).to(tl.float32, bitcast=True)
+    toward = tl.where(err < 0.0, -1, 1).to(tl.uint32)
+    spacing = tl.abs((mag + toward).to(tl.float32, bitcast=True) - mag.to(tl.float32, bitcast=True))
+    u = (mag << 16) + r
+    u_signed = u.to(tl.int32, bitcast=True)
+    below = (err * 65536.0 < -u_signed.to(tl.float32) * spacing).to(tl.int32)
+    carry = (u < r).to(tl.int32) + (u_signed < 0).to(tl.int32) - below
+    kept = (mag >> 16).to(tl.int32)
+    out = tl.where(mag < 0x7F800000, kept + carry, kept | tl.where(mag > 0x7F800000, 0x40, 0))
+    b32 = (out.to(tl.uint32) << 16) | (sb & 0x80000000)
     return b32.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 

@@ -11,6 +11,7 @@ import torch
 
 _LOW16 = 0xFFFF
 _MASK32 = 0xFFFFFFFF
+_SIGN = -0x80000000  # the sign bit of an int32
 
 
 def stochastic_round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -34,9 +35,15 @@ def stochastic_round_sum_bf16(a: torch.Tensor, b: torch.Tensor, bits: torch.Tens
     Rounding the float32 sum first would decide from a value that already lost the small addend: an update of 1e-7
     of the weight is less than one float32 ulp of the sum, so ``stochastic_round_bf16(a + b)`` is biased exactly where
     fine-tuning lives (lr 1e-5 x weight decay 0.01). Here the float32 sum ``s`` and its exact error ``e`` (Knuth's
-    TwoSum, so ``s + e == a + b`` for any magnitudes) both take part: ``e`` is measured in units of 2**-32 bf16 ulp
-    of ``s`` and added, with 32 random bits, below ``s``'s 16 discarded bits. The carry out of that fraction decides the
-    rounding.
+    TwoSum, so ``s + e == a + b`` for any magnitudes) both take part.
+
+    On magnitudes, in units of 2**-32 bf16 ulp of ``s``: the 16 discarded bits ``D`` (worth ``D * 2**16``), the 32
+    random bits ``r`` and the error ``F`` (``e`` over a float32 spacing, times 2**16: ``|F| <= 2**16``) carry into the
+    kept bits with the exact odds. With ``u = D * 2**16 + r`` modulo 2**32, the carry is that of the integer sum, plus
+    one where ``u``'s top bit is set, less one where ``F < -int32(u)``; that comparison is made as
+    ``e * 2**16 < -int32(u) * spacing`` (products by powers of two and by small integers: exact), with the float32
+    spacing on the side ``e`` points to, which halves below a power of two. 32-bit integers and float32 only: the
+    Triton kernel's instruction count.
 
     Every backend performs these exact integer and float32 operations (no fused multiply-add), so all draw the same
     result from the same bits.
@@ -50,26 +57,26 @@ def stochastic_round_sum_bf16(a: torch.Tensor, b: torch.Tensor, bits: torch.Tens
     # TwoSum: e is what float32 rounding took from a + b, exactly.
     bb = s - a
     e = (a - (s - bb)).add_(b - bb)
-    sb = s.view(torch.int32).to(torch.int64) & _MASK32
-    eb = e.view(torch.int32).to(torch.int64) & _MASK32
-    mag = sb & 0x7FFFFFFF
-    e_exp = (eb >> 23) & 0xFF
-    e_mant = (eb & 0x7FFFFF) | torch.where(e_exp != 0, 0x800000, 0)
-    # |e| = e_mant * 2**(max(e_exp, 1) - 150) and one float32 ulp of s is 2**(max(s_exp, 1) - 150), so in units of
-    # 2**-16 float32 ulp (= 2**-32 bf16 ulp) |e| is e_mant * 2**16 shifted right by the exponent gap (>= 0 for finite
-    # s; clamped for a non-finite one). Truncation loses less than one unit.
-    gap = ((mag >> 23).clamp_(min=1) - e_exp.clamp(min=1)).clamp_(0, 63)
-    frac = (e_mant << 16) >> gap
-    frac = torch.where(((sb ^ eb) >> 31) != 0, -frac, frac)
-    # Below a normal power of two (s's mantissa all zero) the bf16 spacing halves: a step down from s counts double.
-    frac = torch.where((frac < 0) & ((mag & 0x7FFFFF) == 0) & (mag >= 0x01000000), frac * 2, frac)
-    hi = mag >> 16
-    z = ((mag & 0xFFFF) << 16) + frac + (bits.to(torch.int64) & _MASK32)
-    out = hi + (z >> 32)
+    sb = s.view(torch.int32)
+    mag = (sb & 0x7FFFFFFF).long()
+    # The error with s's sign taken out: positive away from zero.
+    err = (e.view(torch.int32) ^ (sb & _SIGN)).view(torch.float32)
+    toward = torch.where(err < 0, mag - 1, mag + 1)
+    spacing = (_as_float(toward) - _as_float(mag)).abs_()
+    z = ((mag & _LOW16) << 16) + (bits.long() & _MASK32)
+    u = z & _MASK32
+    u_signed = u - ((u >> 31) << 32)
+    carry = (z >> 32) + (u >> 31) - (err * 65536.0 < -u_signed.int().float() * spacing).long()
+    kept = mag >> 16
     # inf stays inf and NaN stays NaN (quiet), whatever the random bits.
-    out = torch.where(mag >= 0x7F800000, hi | torch.where(mag > 0x7F800000, 0x40, 0), out)
-    out = torch.where(sb >= 0x80000000, out - 0x8000, out)
+    out = torch.where(mag >= 0x7F800000, kept | torch.where(mag > 0x7F800000, 0x40, 0), kept + carry)
+    out = torch.where(sb < 0, out - 0x8000, out)
     return out.to(torch.int16).view(torch.bfloat16)
+
+
+def _as_float(bits: torch.Tensor) -> torch.Tensor:
+    """The float32 values of 32-bit patterns held in an int64 tensor (taken modulo 2**32)."""
+    return (bits & _MASK32).int().view(torch.float32)
 
 
 def nearest_round_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -47,36 +47,24 @@ PB16_INLINE uint16_t round_stochastic(float x, uint32_t r) {
 }
 // Stochastic rounding of the exact sum a + b at 2**-32 of a bf16 ulp (rounding.stochastic_round_sum_bf16 explains
 // each step): the float32 sum and its TwoSum error both take part, so an update of 1e-7 of the weight is not lost
-// to the float32 rounding of the sum before the stochastic rounding to bf16. All 32-bit integers, with the carry of
-// the fraction computed explicitly, and selects instead of branches, so the loop vectorizes (a float-to-int
-// conversion does not, with GCC's default trapping math); the same result as the int64 arithmetic of the others.
+// to the float32 rounding of the sum before the stochastic rounding to bf16. 32-bit integers and float32 only, with
+// selects instead of branches, so the loop vectorizes; the same operations as the other backends.
 PB16_INLINE uint16_t round_stochastic_sum(float a, float b, uint32_t r) {
   const float s = a + b;
   const float bb = s - a;
   const float e = (a - (s - bb)) + (b - bb);
-  const uint32_t sb = bits_of(s), eb = bits_of(e);
+  const uint32_t sb = bits_of(s);
   const uint32_t mag = sb & 0x7FFFFFFFu;
-  const int32_t s_exp = static_cast<int32_t>(mag >> 23);
-  const int32_t e_exp = static_cast<int32_t>((eb >> 23) & 0xFFu);
-  const uint32_t e_mant = (eb & 0x7FFFFFu) | (static_cast<uint32_t>(e_exp != 0) << 23);
-  // |e| in units of 2**-32 bf16 ulp of s: e_mant * 2**(16 - gap), truncated (gap < 16 only for e = 0 or a
-  // subnormal e under a tiny s, where the result stays below 2**16).
-  const int32_t gap = std::max(s_exp, 1) - std::max(e_exp, 1);
-  const uint32_t shifted_down = e_mant >> std::min(std::max(gap - 16, 0), 31);
-  const uint32_t shifted_up = e_mant << std::min(std::max(16 - gap, 0), 16);
-  uint32_t frac = gap >= 16 ? shifted_down : shifted_up;
-  // Below a normal power of two the bf16 spacing halves: a step down from s counts double. (& not &&: no branches.)
-  const bool against = (((sb ^ eb) >> 31) != 0) & (frac != 0);
-  const bool halved = against & ((mag & 0x7FFFFFu) == 0) & (mag >= 0x01000000u);
-  frac = halved ? frac * 2 : frac;
-  // carry = floor((low +/- frac + r) / 2**32), in {-1, 0, 1}.
-  const uint32_t low = (mag & 0xFFFFu) << 16;
-  const uint32_t t = low + r;
-  const int32_t c1 = static_cast<int32_t>(t < low);
-  const uint32_t u = against ? t - frac : t + frac;
-  const int32_t c2 = against ? -static_cast<int32_t>(u > t) : static_cast<int32_t>(u < t);
+  const float err = float_of(bits_of(e) ^ (sb & 0x80000000u));  // positive away from zero
+  // The float32 spacing on the side the error points to (half the other below a normal power of two).
+  const float spacing = std::fabs(float_of(err < 0.0f ? mag - 1u : mag + 1u) - float_of(mag));
+  // carry = floor((D * 2**16 + r + F) / 2**32), in {-1, 0, 1}, with u = D * 2**16 + r modulo 2**32.
+  const uint32_t u = (mag << 16) + r;
+  const int32_t u_signed = static_cast<int32_t>(u);
+  const int32_t carry = static_cast<int32_t>(u < r) + static_cast<int32_t>(u_signed < 0) -
+                        static_cast<int32_t>(err * 65536.0f < -static_cast<float>(u_signed) * spacing);
   const uint32_t kept = mag >> 16;
-  const uint32_t out = static_cast<uint32_t>(static_cast<int32_t>(kept) + c1 + c2);
+  const uint32_t out = static_cast<uint32_t>(static_cast<int32_t>(kept) + carry);
   const uint32_t special = kept | (static_cast<uint32_t>(mag > 0x7F800000u) << 6);  // inf stays inf, NaN quiet
   return static_cast<uint16_t>((mag < 0x7F800000u ? out : special) | ((sb >> 16) & 0x8000u));
 }
