@@ -51,8 +51,8 @@ def _round_with_bits(x, r):
 
 
 @triton.jit
-def _stochastic_round_sum(a, b, key, hi, lo):
-    return _stochastic_round_sum_bits(a, b, _mix32(lo ^ _mix32(key.to(tl.uint32) ^ hi)))
+def _stochastic_round_sum(a, b, key, hi, folded):
+    return _stochastic_round_sum_bits(a, b, _random_word(key, hi, folded))
 
 
 @triton.jit
@@ -122,8 +122,15 @@ _QBLOCK: tl.constexpr = tl.constexpr(quant.QBLOCK)
 
 
 @triton.jit
-def _random_word(key, hi, lo):
-    return _mix32(lo ^ _mix32(key.to(tl.uint32) ^ hi))
+def _random_word(key, hi, folded):
+    # rng.element_bits: mix32(lo ^ block key). Its first step, x ^ (x >> SHIFT1), distributes over the xor, so it is
+    # taken on the index once per element (``folded``, shared by every stream) and on the block key once per program.
+    block = _mix32(key.to(tl.uint32) ^ hi)
+    x = folded ^ (block ^ (block >> _SHIFT1))
+    x = x * _MUL1
+    x = x ^ (x >> _SHIFT2)
+    x = x * _MUL2
+    return x ^ (x >> _SHIFT3)
 
 
 @triton.jit
@@ -213,6 +220,7 @@ def _adamw_kernel(
     global_start = start + index_offset
     hi = (global_start >> 32).to(tl.uint32)
     lo = (global_start + local).to(tl.uint32)
+    folded = lo ^ (lo >> _SHIFT1)  # the first step of every stream's hash of the index (_random_word)
     block_ids = start // _QBLOCK + rows
     block_mask = block_ids * _QBLOCK < n_elements
 
@@ -255,18 +263,18 @@ def _adamw_kernel(
             p_new = p_out.to(tl.float32)
             t = tl.div_rn((c - (p_new - p)) + delta, _residual_unit(p_new))
             k0 = tl.floor(t)
-            k = k0 + (_uniform24(_random_word(key_p, hi, lo)) < t - k0).to(tl.float32)
+            k = k0 + (_uniform24(_random_word(key_p, hi, folded)) < t - k0).to(tl.float32)
             tl.store(c_ptr + offsets, tl.minimum(tl.maximum(k, -127.0), 127.0).to(tl.int8), mask=mask)
         else:
             c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             p_out = _nearest_round(p + (delta + c))
             # The new remainder (old one, less what the write took, plus the update) is written with stochastic
             # rounding of its exact sum: rounded to nearest, an update below half its own spacing would be lost.
-            c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, key_p, hi, lo)
+            c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, key_p, hi, folded)
             tl.store(c_ptr + offsets, c_new, mask=mask)
     elif ROUNDING == _ROUND_STOCHASTIC:
         # SR of the exact p + delta: the fp32 sum would round away an update of 1e-7 of the weight.
-        p_out = _stochastic_round_sum(p, delta, key_p, hi, lo)
+        p_out = _stochastic_round_sum(p, delta, key_p, hi, folded)
     else:
         p_out = _nearest_round(p + delta)
     tl.store(p_ptr + offsets, p_out, mask=mask)
@@ -276,16 +284,16 @@ def _adamw_kernel(
         new_v_scale = _bf16_ceil(tl.max(tl.abs(v), axis=1))
         tl.store(ms_ptr + block_ids, new_m_scale.to(tl.bfloat16), mask=block_mask)
         tl.store(vs_ptr + block_ids, new_v_scale.to(tl.bfloat16), mask=block_mask)
-        mk = _encode(m, new_m_scale[:, None], _random_word(key_m, hi, lo), 127, 2)
+        mk = _encode(m, new_m_scale[:, None], _random_word(key_m, hi, folded), 127, 2)
         tl.store(m_ptr + offsets, tl.where(m < 0, -mk, mk).to(tl.int8), mask=mask)
-        vk = _encode(v, new_v_scale[:, None], _random_word(key_v, hi, lo), 255, 4)
+        vk = _encode(v, new_v_scale[:, None], _random_word(key_v, hi, folded), 255, 4)
         tl.store(v_ptr + offsets, vk.to(tl.uint8), mask=mask)
     elif ROUNDING == _ROUND_NEAREST:
         tl.store(m_ptr + offsets, _nearest_round(m), mask=mask)
         tl.store(v_ptr + offsets, _nearest_round(v), mask=mask)
     else:
         # One word of random bits for both moments: m rounds with its low half, v with its high half.
-        r = _random_word(key_m, hi, lo)
+        r = _random_word(key_m, hi, folded)
         tl.store(m_ptr + offsets, _round_with_bits(m, r & 0xFFFF), mask=mask)
         tl.store(v_ptr + offsets, _round_with_bits(v, r >> 16), mask=mask)
 
