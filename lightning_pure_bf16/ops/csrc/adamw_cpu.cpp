@@ -5,7 +5,7 @@
 
 // The loops read and write raw memory: a tensor must hold its own. A Python wrapper subclass (a DTensor of FSDP2 or
 // tensor parallelism, for one) has none (its data pointer is null), and would be written through as if it had.
-static void check_has_memory(const char* function, const char* name, const torch::Tensor& t) {
+static void check_has_memory(const char* function, const char* name, const at::Tensor& t) {
   TORCH_CHECK(
       !t.key_set().has(c10::DispatchKey::Python) && t.has_storage() && (t.numel() == 0 || t.data_ptr() != nullptr),
       function, ": `", name,
@@ -13,10 +13,10 @@ static void check_has_memory(const char* function, const char* name, const torch
       "(`.to_local()`) or a plain tensor");
 }
 
-void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                     torch::Tensor exp_avg_scale, torch::Tensor exp_avg_sq_scale, torch::Tensor kahan_comp,
-                     int64_t rounding, bool decoupled, double beta1, double one_minus_beta1, double beta2,
-                     double one_minus_beta2, double eps, double weight_decay, double decay, double neg_step_size,
+void adamw_update_q8(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                     at::Tensor exp_avg_scale, at::Tensor exp_avg_sq_scale, at::Tensor kahan_comp, int64_t rounding,
+                     bool decoupled, double beta1, double one_minus_beta1, double beta2, double one_minus_beta2,
+                     double eps, double weight_decay, double decay, double neg_step_size,
                      double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m, int64_t key_v,
                      int64_t index_offset) {
   TORCH_CHECK(rounding >= 0 && rounding <= 2, "adamw_update_q8: rounding code ", rounding, " is not 0, 1 or 2");
@@ -32,13 +32,13 @@ void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   TORCH_CHECK(q8m || (exp_avg.scalar_type() == at::kBFloat16 && exp_avg_sq.scalar_type() == at::kBFloat16),
               "adamw_update_q8: bf16 moments expected");
   const int64_t blocks = (n + QBLOCK - 1) / QBLOCK;
-  const std::pair<const char*, const torch::Tensor*> buffers[] = {{"param", &param},
-                                                                  {"grad", &grad},
-                                                                  {"exp_avg", &exp_avg},
-                                                                  {"exp_avg_sq", &exp_avg_sq},
-                                                                  {"exp_avg_scale", &exp_avg_scale},
-                                                                  {"exp_avg_sq_scale", &exp_avg_sq_scale},
-                                                                  {"kahan_comp", &kahan_comp}};
+  const std::pair<const char*, const at::Tensor*> buffers[] = {{"param", &param},
+                                                               {"grad", &grad},
+                                                               {"exp_avg", &exp_avg},
+                                                               {"exp_avg_sq", &exp_avg_sq},
+                                                               {"exp_avg_scale", &exp_avg_scale},
+                                                               {"exp_avg_sq_scale", &exp_avg_sq_scale},
+                                                               {"kahan_comp", &kahan_comp}};
   for (const auto& [name, t] : buffers) {
     const std::string key(name);
     if (rounding != 2 && key == "kahan_comp") continue;
@@ -72,15 +72,15 @@ void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
 }
 
 // Stochastic rounding of exact sums on its own, through the loops' paths: a and b float32, bits int32 (tests).
-torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch::Tensor bits) {
+at::Tensor stochastic_round_sum_bf16(at::Tensor a, at::Tensor b, at::Tensor bits) {
   const int64_t n = a.numel();
-  for (const torch::Tensor* t : {&a, &b, &bits}) check_has_memory("stochastic_round_sum_bf16", "a, b, bits", *t);
+  for (const at::Tensor* t : {&a, &b, &bits}) check_has_memory("stochastic_round_sum_bf16", "a, b, bits", *t);
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && bits.scalar_type() == at::kInt,
               "stochastic_round_sum_bf16: needs float32 a and b and int32 bits");
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && bits.device().is_cpu() && a.is_contiguous() &&
                   b.is_contiguous() && bits.is_contiguous() && b.numel() == n && bits.numel() == n,
               "stochastic_round_sum_bf16: needs contiguous CPU tensors of one size");
-  torch::Tensor out = torch::empty({n}, a.options().dtype(at::kBFloat16));
+  at::Tensor out = at::empty({n}, a.options().dtype(at::kBFloat16));
   const float* A = a.data_ptr<float>();
   const float* B = b.data_ptr<float>();
   const uint32_t* R = reinterpret_cast<const uint32_t*>(bits.data_ptr());
@@ -108,8 +108,8 @@ torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch:
 
 // The levels of the 8-bit codes as the loops compute them: (k / 127)**2 for k < 128, then (k / 255)**4 for k < 256
 // (tests: the vector loops' divisions without a divider against the division).
-torch::Tensor levels_8bit() {
-  torch::Tensor out = torch::empty({128 + 256}, torch::kFloat);
+at::Tensor levels_8bit() {
+  at::Tensor out = at::empty({128 + 256}, at::kFloat);
   float* o = out.data_ptr<float>();
 #ifdef PB16_SIMD
   using S = simd::Best;
@@ -138,7 +138,7 @@ bool use_vector_loops(bool on) {
 }
 
 // Whether any element is inf or NaN (exponent bits all ones): one read-only pass, an OR-reduction that vectorizes.
-bool any_nonfinite_bf16(torch::Tensor t) {
+bool any_nonfinite_bf16(at::Tensor t) {
   check_has_memory("any_nonfinite_bf16", "t", t);
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(),
               "any_nonfinite_bf16: needs a contiguous bfloat16 CPU tensor");
@@ -153,8 +153,8 @@ bool any_nonfinite_bf16(torch::Tensor t) {
   return found;
 }
 
-void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                       torch::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
+void adamw_update_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                       at::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
                        double beta2, double one_minus_beta2, double eps, double weight_decay, double decay,
                        double neg_step_size, double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m,
                        int64_t key_v, int64_t index_offset) {
@@ -162,11 +162,11 @@ void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor ex
   TORCH_CHECK(rounding >= 0 && rounding <= 2, "adamw_update_bf16: rounding code ", rounding, " is not 0, 1 or 2");
   TORCH_CHECK(index_offset >= 0, "adamw_update_bf16: index_offset must be >= 0, got ", index_offset);
   const int64_t numel = param.numel();
-  const std::pair<const char*, const torch::Tensor*> buffers[] = {{"param", &param},
-                                                                  {"grad", &grad},
-                                                                  {"exp_avg", &exp_avg},
-                                                                  {"exp_avg_sq", &exp_avg_sq},
-                                                                  {"kahan_comp", &kahan_comp}};
+  const std::pair<const char*, const at::Tensor*> buffers[] = {{"param", &param},
+                                                               {"grad", &grad},
+                                                               {"exp_avg", &exp_avg},
+                                                               {"exp_avg_sq", &exp_avg_sq},
+                                                               {"kahan_comp", &kahan_comp}};
   for (const auto& [name, t] : buffers) {
     if (rounding != 2 && std::string(name) == "kahan_comp") continue;
     check_has_memory("adamw_update_bf16", name, *t);

@@ -1,29 +1,29 @@
 // The fused CPU loop of the pure-bf16 Adam/AdamW update: what Python calls (ops/adamw_cpu.py documents each).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 
 // One Adam/AdamW step in place over bf16 p, g, m, v (and the Kahan buffer); rounding 0 nearest, 1 stochastic, 2 Kahan.
-void adamw_update_bf16(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                       torch::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
+void adamw_update_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                       at::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
                        double beta2, double one_minus_beta2, double eps, double weight_decay, double decay,
                        double neg_step_size, double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m,
                        int64_t key_v, int64_t index_offset);
 
 // The same step with 8-bit moments and/or an 8-bit Kahan remainder (ops/quant.py specifies the codes).
-void adamw_update_q8(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                     torch::Tensor exp_avg_scale, torch::Tensor exp_avg_sq_scale, torch::Tensor kahan_comp,
-                     int64_t rounding, bool decoupled, double beta1, double one_minus_beta1, double beta2,
-                     double one_minus_beta2, double eps, double weight_decay, double decay, double neg_step_size,
+void adamw_update_q8(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                     at::Tensor exp_avg_scale, at::Tensor exp_avg_sq_scale, at::Tensor kahan_comp, int64_t rounding,
+                     bool decoupled, double beta1, double one_minus_beta1, double beta2, double one_minus_beta2,
+                     double eps, double weight_decay, double decay, double neg_step_size,
                      double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m, int64_t key_v,
                      int64_t index_offset);
 
 // Whether a contiguous bf16 CPU tensor holds an inf or NaN.
-bool any_nonfinite_bf16(torch::Tensor t);
+bool any_nonfinite_bf16(at::Tensor t);
 
 // For the tests: the loops' stochastic rounding of exact sums, their 8-bit levels, and the vector loops' switch.
-torch::Tensor stochastic_round_sum_bf16(torch::Tensor a, torch::Tensor b, torch::Tensor bits);
-torch::Tensor levels_8bit();
+at::Tensor stochastic_round_sum_bf16(at::Tensor a, at::Tensor b, at::Tensor bits);
+at::Tensor levels_8bit();
 bool use_vector_loops(bool on);

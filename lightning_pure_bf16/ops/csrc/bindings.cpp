@@ -1,5 +1,8 @@
-// The Python module of the fused CPU loop (built by ops/adamw_cpu.py with torch.utils.cpp_extension.load).
-#include <torch/extension.h>
+// The Python module of the fused CPU loop (built by ops/adamw_cpu.py with torch.utils.cpp_extension.load). The
+// sources include ATen and torch's pybind casters, not torch/extension.h (all of torch's C++ API: twice the build
+// time).
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "adamw_cpu.h"
 

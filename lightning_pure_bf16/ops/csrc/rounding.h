@@ -6,7 +6,7 @@
 #error "the hash constants come from ops/rng.py as defines (ops/adamw_cpu.py passes them)"
 #endif
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
