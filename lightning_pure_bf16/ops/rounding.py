@@ -41,9 +41,10 @@ def stochastic_round_sum_bf16(a: torch.Tensor, b: torch.Tensor, bits: torch.Tens
     random bits ``r`` and the error ``F`` (``e`` over a float32 spacing, times 2**16: ``|F| <= 2**16``) carry into the
     kept bits with the exact odds. With ``u = D * 2**16 + r`` modulo 2**32, the carry is that of the integer sum, plus
     one where ``u``'s top bit is set, less one where ``F < -int32(u)``; that comparison is made as
-    ``e * 2**16 < -int32(u) * spacing`` (products by powers of two and by small integers: exact), with the float32
-    spacing on the side ``e`` points to, which halves below a power of two. 32-bit integers and float32 only: the
-    Triton kernel's instruction count.
+    ``e * 2**16 < -int32(u) * spacing``, with the float32 spacing on the side ``e`` points to (it halves below a power
+    of two). Both products are exact wherever the comparison can go either way (``|int32(u)| <= 2**16``: a power of
+    two times a float, an integer of 17 bits times a power of two). 32-bit integers and float32 only: the Triton
+    kernel's instruction count.
 
     Every backend performs these exact integer and float32 operations (no fused multiply-add), so all draw the same
     result from the same bits.
