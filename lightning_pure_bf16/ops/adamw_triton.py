@@ -47,7 +47,7 @@ def _mix32(x):
 def _round_with_bits(x, r):
     # r: 16 random bits (uint32 below 2**16), added below the 16 bits bf16 keeps.
     b = x.to(tl.uint32, bitcast=True) + r
-    return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -74,15 +74,14 @@ def _stochastic_round_sum_bits(a, b, r):
     carry = (u < r).to(tl.int32) + (u_signed < 0).to(tl.int32) - below
     kept = (mag >> 16).to(tl.int32)
     out = tl.where(mag < 0x7F800000, kept + carry, kept | tl.where(mag > 0x7F800000, 0x40, 0))
-    b32 = (out.to(tl.uint32) << 16) | (sb & 0x80000000)
-    return b32.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return (out.to(tl.uint32) | ((sb >> 16) & 0x8000)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def _nearest_round(x):
     b = x.to(tl.uint32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)
-    return (b & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
