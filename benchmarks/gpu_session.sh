@@ -8,8 +8,9 @@
 set -uo pipefail
 if [ "${1:-}" = "--dry-run" ]; then export GPU_DRY_RUN=1; fi
 cd "$(dirname "$0")/.."
-dest=${OUT:-benchmarks/results}
 work=$(mktemp -d)
+# A dry run without $OUT leaves its archive in the temporary folder, not among the results.
+if [ -n "${GPU_DRY_RUN:-}" ]; then dest=${OUT:-$work}; else dest=${OUT:-benchmarks/results}; fi
 mkdir -p "$dest"
 total=${GPU_DEADLINE_S:-520}
 start=$SECONDS
@@ -18,5 +19,5 @@ ok_correct=$?
 OUT=$work GPU_DEADLINE_S=$((total - (SECONDS - start))) bash benchmarks/gpu_performance.sh
 ok_perf=$?
 echo "correctness exit $ok_correct, performance exit $ok_perf, $((SECONDS - start)) s" | tee "$work/gpu/session.txt"
-tar czf "$dest/gpu.tgz" -C "$work" gpu
+tar czf "$dest/gpu.tgz" -C "$work" gpu && echo "packed into $dest/gpu.tgz"
 exit $((ok_correct || ok_perf))
