@@ -10,7 +10,7 @@ if [ "${1:-}" = "--dry-run" ]; then export GPU_DRY_RUN=1; fi
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 # A dry run without $OUT leaves its archive in the temporary folder, not among the results.
-if [ -n "${GPU_DRY_RUN:-}" ]; then dest=${OUT:-$work}; else dest=${OUT:-benchmarks/results}; fi
+if [ "${GPU_DRY_RUN:-0}" = 1 ]; then dest=${OUT:-$work}; else dest=${OUT:-benchmarks/results}; fi
 mkdir -p "$dest"
 total=${GPU_DEADLINE_S:-520}
 start=$SECONDS

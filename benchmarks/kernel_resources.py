@@ -96,10 +96,14 @@ def _usage(cubin: bytes) -> tuple[int | None, int | None, int | None, int | None
     )
 
 
+def _listing(sass: str) -> list[tuple[str, str, str, str]]:
+    """The instructions of a ``cuobjdump -sass`` listing: (address, predicate, opcode, operands) each."""
+    return re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+
+
 def sass_instructions(sass: str) -> int:
     """The instructions of a ``cuobjdump -sass`` listing, less ``NOP`` padding and the self-branch after ``EXIT``."""
-    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    body = [op for op in opcodes if not op.startswith("NOP")]
+    body = [opcode for _, _, opcode, _ in _listing(sass) if not opcode.startswith("NOP")]
     while body and body[-1].startswith("BRA"):
         body.pop()
     return len(body)
@@ -114,7 +118,7 @@ def executed_instructions(sass: str) -> int:
     follows unconditional branches, takes a conditional branch where the code it skips calls a subroutine, and falls
     through every other one (a predicated ``EXIT`` of threads past the end included).
     """
-    rows = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    rows = _listing(sass)
     at = {int(address, 16): i for i, (address, _, _, _) in enumerate(rows)}
     count, i = 0, 0
     for _ in range(len(rows)):
