@@ -13,7 +13,8 @@ memory bandwidth: the larger bounds the step.
 
     python benchmarks/kernel_resources.py            # both architectures, every specialisation
     python benchmarks/kernel_resources.py --quick    # sm_90 only
-    python benchmarks/kernel_resources.py --json     # rows as JSON on stdout, no files (used by the tests)
+    python benchmarks/kernel_resources.py --json     # rows as JSON on stdout, no files
+    python benchmarks/kernel_resources.py --quick --corners --json   # what the suite checks (below)
 Writes benchmarks/results/kernel_resources{,_quick}.{csv,md}.
 """
 
@@ -176,12 +177,21 @@ def _build(source: ASTSource, arch: int) -> dict:
     }
 
 
-def compile_all(archs: tuple[int, ...]) -> list[dict]:
-    """Compile every specialisation for each architecture; one row per build."""
+# What the strategies launch (AdamW, bf16 gradient, 32-bit sizes, aligned pointers), and its opposite in every option at
+# once (Adam with L2, float32 gradient, 64-bit sizes, unaligned): the most registers any specialisation needs.
+LAUNCHED = (True, "bf16", "i32", True)
+WIDEST = (False, "fp32", "i64", False)
+
+
+def compile_all(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
+    """Compile every specialisation for each architecture; one row per build. ``corners``: of each state format, only
+    the launched configuration and the widest (:data:`LAUNCHED`, :data:`WIDEST`)."""
     rows = []
     grid = itertools.product(archs, adamw_triton._ROUNDING_CODES.items(), (True, False), ("bf16", "fp32"))
     for arch, (rounding, code), decoupled, grad in grid:
         for ints, aligned in itertools.product(("i32", "i64"), (True, False)):
+            if corners and (decoupled, grad, ints, aligned) not in (LAUNCHED, WIDEST):
+                continue
             constants = {
                 "ROUNDING": code,
                 "DECOUPLED": decoupled,
@@ -205,19 +215,21 @@ def compile_all(archs: tuple[int, ...]) -> list[dict]:
                     **_build(source, arch),
                 }
             )
-    rows += compile_q8(archs)
+    rows += compile_q8(archs, corners)
     return rows
 
 
-def compile_q8(archs: tuple[int, ...]) -> list[dict]:
+def compile_q8(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
     """The kernel with 8-bit states: every rounding with 8-bit moments, and Kahan's 8-bit remainder with either moment
-    format; bf16 gradients, aligned pointers."""
+    format; bf16 gradients, aligned pointers (``corners``: AdamW with 32-bit sizes and Adam with 64-bit ones only)."""
     rows = []
     variants = [(r, True, False) for r in adamw_triton._ROUNDING_CODES] + [
         ("kahan", True, True),
         ("kahan", False, True),
     ]
     for arch, (rounding, q8m, c8), decoupled, ints in itertools.product(archs, variants, (True, False), ("i32", "i64")):
+        if corners and decoupled != (ints == "i32"):
+            continue
         constants = {
             "ROUNDING": adamw_triton._ROUNDING_CODES[rounding],
             "DECOUPLED": decoupled,
@@ -249,10 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sm_90 only")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON, write no files")
+    parser.add_argument("--corners", action="store_true", help="per state format, the launched and the widest build")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--clock-ghz", type=float, default=None, help="the SM clock of the prediction (default 1.755)")
     args = parser.parse_args(argv)
-    rows = compile_all((90,) if args.quick else ARCHS)
+    rows = compile_all((90,) if args.quick else ARCHS, corners=args.corners)
     if args.json:
         print(json.dumps(rows))
         return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import re
 from pathlib import Path
 
@@ -418,39 +419,45 @@ def test_package_import_registers_on_reimport():
     assert "deepspeed_pure_bf16" in StrategyRegistry
 
 
-@pytest.mark.parametrize("source", ["yaml", "mmap_yaml", "mmap_preset_argument"])
-def test_lightning_cli(tmp_path, source):
-    # A registered name in a config file, the class with its arguments in one, a registered name on the command line.
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Three LightningCLI fits in one process (1 rank each): a registered name in a config file, the class with its
+    arguments in one, a registered name on the command line."""
+    out = tmp_path_factory.mktemp("cli")
     common = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps=3", "--trainer.logger=false"]
-    common += [f"--trainer.default_root_dir={tmp_path}"]
     common += [
         "--trainer.enable_checkpointing=false",
         "--trainer.enable_progress_bar=false",
         "--trainer.limit_val_batches=1",
     ]
-    states = tmp_path / "states"
+    states = out / "states"
     states.mkdir()
-    env = {}
-    expected, expected_total = "stochastic", 8.0
-    if source == "yaml":
-        config = tmp_path / "cfg.yaml"
-        config.write_text("trainer:\n  strategy: deepspeed_pure_bf16_kahan\n")
-        args = ["fit", "--config", str(config), *common]
-        expected, expected_total = "kahan", 10.0
-    elif source == "mmap_yaml":
-        config = tmp_path / "cfg.yaml"
-        config.write_text(
-            "trainer:\n  strategy:\n    class_path: lightning_pure_bf16.DeepSpeedPureBF16Strategy\n    init_args:\n"
-            f"      rounding: kahan\n      state_storage: mmap\n      state_dir: {states}\n"
-        )
-        args = ["fit", "--config", str(config), *common]
-        expected, expected_total = "kahan", 4.0
-    else:
-        args = ["fit", "--trainer.strategy", "deepspeed_pure_bf16_mmap", *common]
-        env = {STATE_DIR_ENV: str(states)}
-        expected_total = 4.0
-    run_script("cli_mlp.py", tmp_path, *args, **env)
-    r = torch.load(tmp_path / "cli_rank0.pt", weights_only=False)
+    (out / "kahan.yaml").write_text("trainer:\n  strategy: deepspeed_pure_bf16_kahan\n")
+    (out / "mmap.yaml").write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_pure_bf16.DeepSpeedPureBF16Strategy\n    init_args:\n"
+        f"      rounding: kahan\n      state_storage: mmap\n      state_dir: {states}\n"
+    )
+    runs = [
+        {"name": "yaml", "args": ["fit", "--config", str(out / "kahan.yaml")]},
+        {"name": "mmap_yaml", "args": ["fit", "--config", str(out / "mmap.yaml")]},
+        {
+            "name": "mmap_preset_argument",
+            "args": ["fit", "--trainer.strategy", "deepspeed_pure_bf16_mmap"],
+            "env": {STATE_DIR_ENV: str(states)},
+        },
+    ]
+    for run in runs:
+        run["args"] += [*common, f"--trainer.default_root_dir={out / run['name']}"]
+    run_script("cli_mlp.py", out, json.dumps({"runs": runs}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("source", "expected", "expected_total"),
+    [("yaml", "kahan", 10.0), ("mmap_yaml", "kahan", 4.0), ("mmap_preset_argument", "stochastic", 4.0)],
+)
+def test_lightning_cli(cli_runs, source, expected, expected_total):
+    r = torch.load(cli_runs / source / "cli_rank0.pt", weights_only=False)
     assert r["strategy"] == "DeepSpeedPureBF16Strategy" and r["rounding"] == expected
     assert r["optimizer"] == "AdamW" and r["global_step"] == 3 and r["world_size"] == 1
     assert r["memory_report"]["total"] == pytest.approx(expected_total)

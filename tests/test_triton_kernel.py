@@ -127,11 +127,12 @@ def test_cuda_kernel_agrees_with_torch_path(shape, rounding):
     _assert_agree(_run_both(AdamW, shape, rounding, "cuda"), rounding)
 
 
-def test_every_specialisation_compiles_for_hopper_without_a_gpu():
-    # Triton's compile API with a CUDA target and the ptxas in the triton wheel (benchmarks/kernel_resources.py --quick,
-    # sm_90, in its own process: this session imports the kernel for the interpreter; the benchmark without --quick
-    # compiles for sm_80 too). A kernel that would not compile, would spill to local memory or would fuse
-    # multiply-adds (the backends would then disagree) fails here.
+def test_each_state_formats_launched_and_widest_builds_compile_for_hopper_without_a_gpu():
+    # Triton's compile API with a CUDA target and the ptxas in the triton wheel (benchmarks/kernel_resources.py --quick
+    # --corners, sm_90, in its own process: this session imports the kernel for the interpreter). Of each state format
+    # the launched build and the widest (every option away from the launched one at once: the most registers); the
+    # benchmark without --corners compiles every specialisation, without --quick for sm_80 too. A kernel that would not
+    # compile, would spill to local memory or would fuse multiply-adds (the backends would then disagree) fails here.
     import json
     import subprocess
     import sys
@@ -144,7 +145,7 @@ def test_every_specialisation_compiles_for_hopper_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).parents[1] / "benchmarks" / "kernel_resources.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json"],
+        [sys.executable, str(script), "--quick", "--corners", "--json"],
         capture_output=True,
         text=True,
         env=env,
@@ -153,9 +154,12 @@ def test_every_specialisation_compiles_for_hopper_without_a_gpu():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     builds = json.loads(done.stdout.strip().splitlines()[-1])
-    # bf16 states: 3 roundings x 2 weight decays x 2 gradient dtypes x 2 integer widths x aligned or not; 8-bit
-    # states: 5 state formats x 2 weight decays x 2 integer widths.
-    assert len(builds) == 48 + 20 and {build["arch"] for build in builds} == {"sm_90"}
+    # bf16 states: 3 roundings; 8-bit states: 5 state formats; each launched and widest.
+    assert len(builds) == 2 * (3 + 5) and {build["arch"] for build in builds} == {"sm_90"}
+    assert {build["aligned"] for build in builds} == {True, False} and {build["ints"] for build in builds} == {
+        "i32",
+        "i64",
+    }
     for build in builds:
         assert build["cubin_bytes"] > 0 and build["fma"] == 0, build
         if build["sass"] is not None:  # the wheel's cuobjdump disassembled it: instructions counted per element

@@ -2,14 +2,17 @@
 
 python tests/scripts/cli_mlp.py OUT fit --config cfg.yaml
 python tests/scripts/cli_mlp.py OUT fit --trainer.strategy deepspeed_pure_bf16 ...
+python tests/scripts/cli_mlp.py OUT '{"runs": [{"name": ..., "args": [...], "env": {...}}, ...]}'   # 1 rank each
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import torch
+from _runs import run_all
 from fit_mlp import MLP, data
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
@@ -32,10 +35,8 @@ class Data(LightningDataModule):
         return DataLoader(data(32), batch_size=16)
 
 
-if __name__ == "__main__":
-    # sys.argv stays whole: Lightning starts the other ranks by re-running this command line.
-    out = Path(sys.argv[1])
-    cli = LightningCLI(CLIModel, Data, save_config_kwargs={"overwrite": True}, args=sys.argv[2:])
+def main(out: Path, args: list[str]) -> None:
+    cli = LightningCLI(CLIModel, Data, save_config_kwargs={"overwrite": True}, args=args)
     trainer = cli.trainer
     torch.save(
         {
@@ -48,3 +49,11 @@ if __name__ == "__main__":
         },
         out / f"cli_rank{trainer.global_rank}.pt",
     )
+
+
+if __name__ == "__main__":
+    # sys.argv stays whole: Lightning starts the other ranks by re-running this command line.
+    if sys.argv[2].startswith("{"):
+        run_all(lambda out, run: main(out, run["args"]), Path(sys.argv[1]), json.loads(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]), sys.argv[2:])
