@@ -16,8 +16,6 @@ import torch
 import torch.multiprocessing as mp
 from _models import MLP, data, param_groups
 
-from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
-
 
 def worker(rank: int, out: Path, opts: dict) -> None:
     if not opts.get("launched"):
@@ -30,7 +28,9 @@ def worker(rank: int, out: Path, opts: dict) -> None:
 
 
 def one_run(rank: int, out: Path, opts: dict) -> None:
+    # The package in the ranks only: the launching process stays light.
     import lightning_pure_bf16.deepspeed as pure_bf16
+    from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
 
     torch.manual_seed(0)
     model = MLP(opts.get("hidden", 64))
@@ -180,4 +180,7 @@ if __name__ == "__main__":
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one rank of its node
         worker(int(os.environ["RANK"]), out, {**opts, "world": int(os.environ["WORLD_SIZE"]), "launched": True})
         sys.exit(0)
-    mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
+    if opts.get("world", 2) == 1:  # one rank: this process (no second start-up)
+        worker(0, out, opts)
+    else:
+        mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")

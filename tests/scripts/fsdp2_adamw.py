@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-from lightning_pure_bf16 import AdamW
+if TYPE_CHECKING:
+    from lightning_pure_bf16 import AdamW
+
 
 STEPS = 6
 BATCH = 32
@@ -46,6 +49,8 @@ def build(opts: dict, world: int) -> tuple[torch.nn.Module, AdamW]:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    from lightning_pure_bf16 import AdamW  # in the ranks only: the launching process stays light
+
     options = {k: opts[k] for k in ("rounding", "moments", "compensation") if k in opts}
     optimizer = AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.95), seed=opts.get("seed", 1234), **options)
     if opts.get("release"):  # each parameter updated from FSDP2's post-accumulate-grad hook, its gradient freed
@@ -192,4 +197,7 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     opts = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     world = opts.get("world", 2)
-    mp.start_processes(worker, args=(world, out, opts), nprocs=world, start_method="spawn")
+    if world == 1:  # one rank: this process (no second start-up)
+        worker(0, world, out, opts)
+    else:
+        mp.start_processes(worker, args=(world, out, opts), nprocs=world, start_method="spawn")

@@ -398,7 +398,10 @@ if __name__ == "__main__":
     out, opts = Path(sys.argv[1]), json.loads(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
+    if opts.get("world", 2) == 1:  # one rank: this process (no second start-up)
+        worker(0, out, opts)
+    else:
+        mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
     for run in opts.get("runs", [opts]):
         if run.get("export"):
             from transformers import GPT2LMHeadModel
