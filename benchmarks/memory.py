@@ -183,6 +183,9 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
 
 
 def _free_port() -> int:
+    """``MASTER_PORT`` where the caller chose one (the tests do), else one the kernel says is free now."""
+    if os.environ.get("MASTER_PORT"):
+        return int(os.environ["MASTER_PORT"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

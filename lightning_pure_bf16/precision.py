@@ -85,17 +85,23 @@ def to_bf16_keeping_metrics(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class _CpuMatmulChoice:
-    """How matrix products are computed in a CPU fit; shared by the Trainer and Fabric plugins."""
+    """What the Trainer and Fabric plugins share: bf16 modules (metrics kept in float32), and how matrix products are
+    computed in a CPU fit."""
 
+    precision: Literal["bf16-true"] = "bf16-true"
     cpu_matmul: CpuMatmul
     float32_matmul: bool
 
-    def _set_cpu_matmul(self, cpu_matmul: CpuMatmul) -> None:
+    def __init__(self, cpu_matmul: CpuMatmul = "auto") -> None:
+        super().__init__("bf16-true")  # Lightning's DeepSpeed precision plugin (Trainer or Fabric)
         if cpu_matmul not in _CPU_MATMUL:
             raise ValueError(f"`{type(self).__name__}(cpu_matmul={cpu_matmul!r})` is not one of {_CPU_MATMUL}.")
         self.cpu_matmul = cpu_matmul
         # Decided by the strategy once the device is known (`use_float32_matmul`).
         self.float32_matmul = False
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return to_bf16_keeping_metrics(module)
 
     def use_float32_matmul(self, device_type: str) -> str | None:
         """Decide, for a fit on ``device_type``, whether matrix products run in float32; returns why, or ``None``."""
@@ -126,16 +132,6 @@ class PureBF16Precision(_CpuMatmulChoice, DeepSpeedPrecision):
             native bf16 dot products (default: ``"auto"``).
     """
 
-    precision: Literal["bf16-true"] = "bf16-true"
-
-    def __init__(self, cpu_matmul: CpuMatmul = "auto") -> None:
-        super().__init__("bf16-true")
-        self._set_cpu_matmul(cpu_matmul)
-
-    @override
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return to_bf16_keeping_metrics(module)
-
     @override
     def forward_context(self) -> AbstractContextManager:
         return Float32Matmul() if self.float32_matmul else nullcontext()
@@ -148,16 +144,6 @@ class PureBF16FabricPrecision(_CpuMatmulChoice, FabricDeepSpeedPrecision):
     Args:
         cpu_matmul: as for :class:`PureBF16Precision` (default: ``"auto"``).
     """
-
-    precision: Literal["bf16-true"] = "bf16-true"
-
-    def __init__(self, cpu_matmul: CpuMatmul = "auto") -> None:
-        super().__init__("bf16-true")
-        self._set_cpu_matmul(cpu_matmul)
-
-    @override
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return to_bf16_keeping_metrics(module)
 
     @override
     def forward_context(self) -> AbstractContextManager:

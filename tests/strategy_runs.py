@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,10 +16,35 @@ SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT_S = 300
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: a launch binds it seconds later (after its imports), and
+    a port the kernel hands out (gloo's connections, any client socket) could be taken in between; one below that
+    range is only ever taken by a bind that names it. Each pytest-xdist worker draws from its own range, so two
+    workers' launches cannot pick the same port."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    span = 2000
+    low = 10_000 + (worker % 8) * span
+    if low + span > _ephemeral_low():  # a machine whose ephemeral range starts low: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    start = random.randrange(span)
+    for i in range(span):
+        port = low + (start + i) % span
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + span - 1}")
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -12,6 +12,7 @@ import pytest
 
 from lightning_pure_bf16.memory import MODEL_STATE_BYTES, STATE_FILE_BYTES
 from lightning_pure_bf16.plan import GIB, plan
+from tests.strategy_runs import _env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,7 +156,7 @@ def test_with_the_default_gather_cache_one_layer_is_gathered_next_two_and_deepsp
 
 def test_planner_agrees_with_measured_memory(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick", "--out", str(tmp_path)]
-    subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
+    subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600, env=_env())
     with open(tmp_path / "memory_quick.csv") as f:
         measured = {row["config"]: row for row in csv.DictReader(f)}
     planned = plan(1e6, 2, 80).bytes_per_param
