@@ -228,7 +228,7 @@ def compile_q8(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
         ("kahan", False, True),
     ]
     for arch, (rounding, q8m, c8), decoupled, ints in itertools.product(archs, variants, (True, False), ("i32", "i64")):
-        if corners and decoupled != (ints == "i32"):
+        if corners and (decoupled, ints) not in ((LAUNCHED[0], LAUNCHED[2]), (WIDEST[0], WIDEST[2])):
             continue
         constants = {
             "ROUNDING": adamw_triton._ROUNDING_CODES[rounding],

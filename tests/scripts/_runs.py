@@ -10,6 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def start_ranks(worker: Callable[..., None], world: int, args: tuple) -> None:
+    """``worker(rank, *args)`` on ``world`` ranks: spawned processes, or for one rank this process (no second
+    start-up)."""
+    if world == 1:
+        worker(0, *args)
+        return
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=args, nprocs=world, start_method="spawn")
+
+
 def run_all(main: Callable[[Path, dict], None], out: Path, opts: dict) -> None:
     """``main(out, opts)``; or, where ``opts["runs"]`` lists runs (each a ``"name"`` and its options over the shared
     ones), each run one after the other in the same processes (one launch, one process group), as a user's script may

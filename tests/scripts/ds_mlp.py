@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from _models import MLP, data, param_groups
 
 
@@ -174,13 +173,12 @@ def _real_elements(engine, rank):  # noqa: ANN001, ANN202
 
 
 if __name__ == "__main__":
+    from _runs import start_ranks
+
     out, opts = Path(sys.argv[1]), json.loads(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one rank of its node
         worker(int(os.environ["RANK"]), out, {**opts, "world": int(os.environ["WORLD_SIZE"]), "launched": True})
         sys.exit(0)
-    if opts.get("world", 2) == 1:  # one rank: this process (no second start-up)
-        worker(0, out, opts)
-    else:
-        mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
+    start_ranks(worker, opts.get("world", 2), (out, opts))

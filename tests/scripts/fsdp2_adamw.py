@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from _models import MLP, data, param_groups
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -194,10 +193,9 @@ def worker(rank: int, world: int, out: Path, opts: dict) -> None:
 
 
 if __name__ == "__main__":
+    from _runs import start_ranks
+
     out = Path(sys.argv[1])
     opts = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     world = opts.get("world", 2)
-    if world == 1:  # one rank: this process (no second start-up)
-        worker(0, world, out, opts)
-    else:
-        mp.start_processes(worker, args=(world, out, opts), nprocs=world, start_method="spawn")
+    start_ranks(worker, world, (world, out, opts))

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 
 def tiny_gpt2():
@@ -395,13 +394,12 @@ def _reset_process_state() -> None:
 
 
 if __name__ == "__main__":
+    from _runs import start_ranks
+
     out, opts = Path(sys.argv[1]), json.loads(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if opts.get("world", 2) == 1:  # one rank: this process (no second start-up)
-        worker(0, out, opts)
-    else:
-        mp.start_processes(worker, args=(out, opts), nprocs=opts.get("world", 2), start_method="spawn")
+    start_ranks(worker, opts.get("world", 2), (out, opts))
     for run in opts.get("runs", [opts]):
         if run.get("export"):
             from transformers import GPT2LMHeadModel
