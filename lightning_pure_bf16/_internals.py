@@ -1372,14 +1372,11 @@ def lightning_fit_position(trainer: Any, dataloader: Any) -> tuple[int, int] | N
     return int(fit_loop.epoch_progress.current.processed), done
 
 
-def _fabric_backward_sync_control() -> type:
+def fabric_backward_sync_control() -> type:
+    """The base class of a strategy's ``_backward_sync_control`` (what ``fabric.no_backward_sync`` calls)."""
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
     return _BackwardSyncControl
-
-
-# The base class of a strategy's ``_backward_sync_control`` (what ``fabric.no_backward_sync`` calls).
-FabricBackwardSyncControl: type = _fabric_backward_sync_control()
 
 
 # ---------------------------------------------------------------------------------------------------------------- torch
@@ -1488,7 +1485,7 @@ __all__ = [
     "CHECKPOINT_GLOBALS",
     "COPIED_UPSTREAM",
     "DCP_METADATA_GLOBALS",
-    "FabricBackwardSyncControl",
+    "fabric_backward_sync_control",
     "PRIVATE_NAMES",
     "PrivateName",
     "UpstreamChanged",

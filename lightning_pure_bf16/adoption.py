@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_pure_bf16._internals import mark_step_for_lr_scheduler
+from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.optim import Adam, AdamW, rank_seed
 from lightning_pure_bf16.optim.options import TORCH_ONLY_GROUP_KEYS, OptimizerOptions, unsupported_torch_options
 

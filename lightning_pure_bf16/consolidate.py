@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+from lightning_pure_bf16 import _log
 from lightning_pure_bf16.checkpoint import (
     CheckpointError,
     assemble,
@@ -59,15 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     """The command; the library's messages (``logging``, logger ``lightning_pure_bf16``) printed with its own."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("lightning_pure_bf16")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    level = _log.log.level
+    _log.log.removeHandler(_log.console)
+    _log.log.addHandler(handler)
+    _log.log.setLevel(logging.INFO)
     try:
         return _run(argv)
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        _log.log.removeHandler(handler)
+        _log.log.addHandler(_log.console)
+        _log.log.setLevel(level)
 
 
 def _run(argv: list[str] | None) -> int:

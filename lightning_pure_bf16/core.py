@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_pure_bf16 import _internals, collectives, gather
+from lightning_pure_bf16._log import rank_zero_info, rank_zero_warn
 from lightning_pure_bf16.checkpoint import (
     TAG,
     CheckpointError,

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 from typing import Any
 
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from lightning_pure_bf16._internals import (
@@ -34,6 +33,7 @@ from lightning_pure_bf16._internals import (
     set_fabric_dataloader,
     wrapped_sampler,
 )
+from lightning_pure_bf16._log import rank_zero_warn
 
 
 class _ResumeSampler(Sampler[Any]):

@@ -39,7 +39,7 @@ from lightning_pure_bf16.optim.options import OptimizerOptions
 from lightning_pure_bf16.precision import PureBF16FabricPrecision
 
 
-class _EveryBackwardReduces(_internals.FabricBackwardSyncControl):
+class _EveryBackwardReduces(_internals.fabric_backward_sync_control()):
     """ZeRO-3 reduce-scatters every backward into each rank's gradient partition, where successive backwards add up:
     there is no synchronization to skip, so ``fabric.no_backward_sync`` accumulates correctly and changes nothing."""
 

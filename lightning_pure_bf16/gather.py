@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_pure_bf16 import _internals
+from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.memory import PeakMeter
 
 

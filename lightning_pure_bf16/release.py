@@ -22,9 +22,9 @@ import gc
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_pure_bf16 import _internals, collectives
+from lightning_pure_bf16._log import rank_zero_warn
 from lightning_pure_bf16.optim import quant
 
 

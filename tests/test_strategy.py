@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision, StateStorageError
 from lightning_pure_bf16.plan import plan
 from lightning_pure_bf16.strategy import STATE_DIR_ENV
-from tests.strategy_runs import fit_runs, load_ranks, output, run_script
+from tests.strategy_runs import _env, fit_runs, load_ranks, output, run_script
 
 # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every buffer the
 # ZeRO optimizer holds is model state or a small fixed communication bucket.
@@ -147,6 +149,23 @@ def test_registered_names():
         "compensation": "int8",
     }
     DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)  # a second import must not fail
+
+
+def test_the_package_loads_no_lightning_and_registers_its_strategies_when_lightning_loads():
+    # The optimizer, the tools and the DeepSpeed, FSDP2 and Hugging Face front ends run without Lightning; a script
+    # that imports the package first and Lightning after still finds the names (the other order is this module's).
+    script = (
+        "import sys, lightning_pure_bf16 as p\n"
+        "assert 'lightning' not in sys.modules, 'the package imported Lightning'\n"
+        "from lightning.pytorch.strategies import StrategyRegistry as T\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY as F\n"
+        "assert T['deepspeed_pure_bf16_int8_mmap_release']['strategy'] is p.DeepSpeedPureBF16Strategy\n"
+        "assert T['fsdp2_pure_bf16_kahan']['strategy'] is p.FSDP2PureBF16Strategy\n"
+        "assert F['deepspeed_pure_bf16']['strategy'] is p.DeepSpeedPureBF16FabricStrategy\n"
+        "import lightning; assert type(lightning.__loader__).__module__.startswith('_frozen_importlib')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_unchanged_module_trains_with_torch_adamw_and_scheduler(default_run):

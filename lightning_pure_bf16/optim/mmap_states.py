@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_pure_bf16._log import rank_zero_warn
 
 # Elements per streamed chunk: 4 Mi elements = 8 MiB per bf16 buffer, large enough that each disk request and
 # host-device copy is efficient, small enough that two slots of three buffers stay under 50 MiB.

@@ -13,6 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_pure_bf16._log import rank_zero_warn
 from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -149,8 +150,6 @@ def resolve_state_dir(
         ValueError: a directory given with ``state_storage="memory"``, or none found for ``"mmap"``.
         lightning_pure_bf16.StateStorageError: the directory does not exist or is not writable.
     """
-    from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
     from lightning_pure_bf16.optim.mmap_states import check_state_dir, filesystem_type
 
     if state_storage == "memory":

@@ -22,16 +22,12 @@ import torch
 
 from lightning_pure_bf16.ops.rng import rank_seed
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # a torch built without distributed support
-    DTensor = None  # type: ignore[assignment,misc]
-    Replicate = Shard = None  # type: ignore[assignment,misc]
-
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (or a parameter holding one)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor (or a parameter holding one). A DTensor exists only once its module is imported, so
+    the optimizer does not import it (about 1 s) for a model that has none."""
+    module = getattr(torch.distributed, "tensor", None)  # set by that module's import
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -41,6 +37,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def like(local_tensor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``local_tensor`` (shaped like ``p``'s local shard) as a DTensor sharded like the DTensor ``p``."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(
         local_tensor, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
@@ -132,6 +130,8 @@ class ShardLayout:
 def layout(p: torch.Tensor, *, block: int = 1) -> ShardLayout:
     """The :class:`ShardLayout` of this rank's shard of the DTensor ``p``; a contiguous shard whose offset is not a
     multiple of ``block`` (the 8-bit moments' scale block) draws from a seed of its own."""
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh = p.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None or p.ndim == 0:  # this rank holds no shard, or the tensor is a replicated scalar

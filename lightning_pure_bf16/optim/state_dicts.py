@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
+from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.rng import Buffer, random_bits, stream_key
 from lightning_pure_bf16.optim import sharded
