@@ -51,17 +51,10 @@ def __getattr__(name: str) -> Any:
 
 
 def _register_strategies() -> None:
-    """Name the strategies in the Trainer's and Fabric's registries."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
-    from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Strategy
-    from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
-
-    DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)
-    DeepSpeedPureBF16FabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
-    FSDP2PureBF16Strategy.register_strategies(StrategyRegistry)
+    """Load the three Lightning front ends, each of which names its strategies in Lightning's registries as it loads
+    (one already loading, as when Lightning's import started inside it, does so when it finishes)."""
+    for module in ("strategy", "fabric", "fsdp2"):
+        importlib.import_module(f"{__name__}.{module}")
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -23,7 +23,7 @@ import torch
 from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision.deepspeed import DeepSpeedPrecision
-from lightning.fabric.strategies import DeepSpeedStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.utilities.seed import reset_seed
 from torch.nn import Module
@@ -412,5 +412,9 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         run = core.engine_run(self._deepspeed_engine)
         return run.peak_memory() if run is not None else None
 
+
+# The strategy is named in Lightning's registry as soon as it is defined (the package imports this module when
+# Lightning loads).
+DeepSpeedPureBF16FabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 __all__ = ["DeepSpeedPureBF16FabricStrategy"]

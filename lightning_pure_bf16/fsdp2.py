@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -296,5 +296,9 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
             self.pure_bf16_optimizer, self.lightning_module, gradients_released=self.gradient_release
         )
 
+
+# The strategy is named in Lightning's registry as soon as it is defined (the package imports this module when
+# Lightning loads).
+FSDP2PureBF16Strategy.register_strategies(StrategyRegistry)
 
 __all__ = ["PRESETS", "FSDP2PureBF16Precision", "FSDP2PureBF16Strategy"]

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.imports import RequirementCache
@@ -449,5 +449,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         if run is not None:
             run.log_peak_memory()
 
+
+# The strategy is named in Lightning's registry as soon as it is defined (the package imports this module when
+# Lightning loads).
+DeepSpeedPureBF16Strategy.register_strategies(StrategyRegistry)
 
 __all__ = ["STATE_DIR_ENV", "DeepSpeedPureBF16Strategy"]
