@@ -23,6 +23,7 @@ import torch
 
 from lightning_pure_bf16 import _internals, collectives, gather
 from lightning_pure_bf16._log import rank_zero_info, rank_zero_warn
+from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.checkpoint import (
     TAG,
     CheckpointError,
@@ -709,6 +710,172 @@ def load_checkpoint(
     return saved.client_state(), saved
 
 
+class LightningFrontEnd:
+    """What the Trainer's and Fabric's DeepSpeed strategies share, mixed in before Lightning's ``DeepSpeedStrategy`` of
+    their API (as Lightning's two DeepSpeed strategies share their helpers): the opening of ``__init__``, the options,
+    the registration, the set-up of a new engine, the checkpoint calls and what a user inspects. Each front end keeps
+    what its API does its own way; both name the engine ``model`` once it is set up."""
+
+    strategy_name: str
+    settings: PureBF16Settings
+
+    def _pure_bf16_init(
+        self,
+        lightning_init: Callable[..., None],
+        *,
+        stage: int,
+        config: dict[str, Any] | str | os.PathLike | None,
+        sub_group_size: int,
+        reduce_bucket_size: int | None,
+        allgather_bucket_size: int | None,
+        timeout: timedelta | None,
+        rounding: str,
+        seed: int | None,
+        backend: str,
+        moments: str,
+        compensation: str,
+        state_storage: str,
+        state_dir: str | os.PathLike | None,
+        gradient_release: bool,
+        gather_cache: str,
+        **deepspeed: Any,
+    ) -> None:
+        """Check the arguments (before anything is set up), run Lightning's ``__init__`` with DeepSpeed's (``config``
+        left to the settings), then resolve the settings and build the DeepSpeed config from them."""
+        who = type(self).__name__
+        check_zero3_arguments(who, stage, deepspeed)
+        OptimizerOptions(
+            rounding=rounding, seed=seed, backend=backend, moments=moments, compensation=compensation
+        ).check(who)
+        _internals.use_cpu_deepspeed_accelerator_if_no_cuda()
+        silence_known_warnings()
+        lightning_init(
+            stage=3,
+            sub_group_size=sub_group_size,
+            reduce_bucket_size=reduce_bucket_size or GPU_BUCKET,
+            allgather_bucket_size=allgather_bucket_size or GPU_BUCKET,
+            config=None,
+            **({"timeout": timeout} if timeout is not None else {}),
+            **deepspeed,
+        )
+        self.settings = PureBF16Settings(
+            who=who,
+            strategy_name=self.strategy_name,
+            loaded_config=self._load_config(config),
+            state_storage=state_storage,
+            state_dir=state_dir,
+            rounding=rounding,
+            seed=seed,
+            backend=backend,
+            moments=moments,
+            compensation=compensation,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            gradient_release=gradient_release,
+            gather_cache=gather_cache,
+        )
+        self.config = self.settings.deepspeed_config(self.config)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_presets(strategy_registry, cls)
+
+    @property
+    def optimizer_options(self) -> OptimizerOptions:
+        """The checked options of the optimizer the strategy builds from a torch one."""
+        return self.settings.optimizer_options
+
+    @property
+    def state_storage(self) -> str:
+        """Where the optimizer's moments live: ``"memory"`` or ``"mmap"``."""
+        return self.settings.state_storage
+
+    @property
+    def state_dir(self) -> str | None:
+        """The directory of the state files (``state_storage="mmap"``)."""
+        return self.settings.state_dir
+
+    @property
+    def rounding(self) -> str:
+        """The rounding of the optimizer the strategy builds from a torch one."""
+        return self.optimizer_options.rounding
+
+    @property
+    def seed(self) -> int | None:
+        """The base seed of the rounding noise (each rank derives its own), or ``None`` for the optimizer's."""
+        return self.optimizer_options.seed
+
+    @property
+    def backend(self) -> str:
+        """The optimizer backend."""
+        return self.optimizer_options.backend
+
+    def _pure_bf16_engine_setup(self, engine: Any) -> EngineRun:
+        return after_engine_setup(  # held on the engine: engine.pure_bf16
+            engine,
+            self.strategy_name,
+            self.root_device,
+            gradient_release=self.settings.gradient_release,
+            gather_cache=self.settings.gather_cache,
+        )
+
+    def _pure_bf16_save(self, engine: Any, path: Any, client_state: dict[str, Any], **info: Any) -> None:
+        save_checkpoint(
+            engine,
+            self.broadcast(os.fspath(path)),
+            client_state,
+            world_size=self.world_size,
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+            **info,
+        )
+
+    def _pure_bf16_load(self, engine: Any, path: Any, **how: Any) -> tuple[dict[str, Any], ZeroCheckpoint | None]:
+        return load_checkpoint(
+            engine,
+            self.broadcast(os.fspath(path)),
+            world_size=self.world_size,
+            rank=self.global_rank,
+            strategy_name=self.strategy_name,
+            **how,
+        )
+
+    @property
+    def pure_bf16_optimizer(self) -> AdamW:
+        """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
+        return inner_optimizer(self.model)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because a gradient was inf/NaN on some rank."""
+        optimizer = self.pure_bf16_optimizer
+        return optimizer.skipped_steps
+
+    def memory_report(self) -> dict[str, float]:
+        """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers.
+
+        Returns:
+            See :func:`lightning_pure_bf16.memory.zero3_model_state_report`: ``param``, ``grad``, ``master``,
+            ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``other_state`` and ``total`` in bytes per trainable
+            parameter of this rank's partition, ``params_on_rank``; frozen parameters in ``frozen`` and
+            ``frozen_params_on_rank``, and ``whole_model`` over both.
+        """
+        return memory_report(self.model)
+
+    def peak_memory(self) -> dict[str, Any] | None:
+        """This rank's peak memory since setup, measured, beside its model state.
+
+        Returns:
+            See :func:`lightning_pure_bf16.memory.peak_report`: ``peak_gib``, ``at_setup_gib``,
+            ``above_setup_per_param`` (bytes per parameter of this rank's partition the steps added at their peak),
+            ``model_state_per_param`` and ``source`` (CUDA's allocator, or the CPU's resident set); ``None`` before
+            setup or where no peak can be measured.
+        """
+        run = engine_run(self.model)
+        return run.peak_memory() if run is not None else None
+
+
 def check_zero3_arguments(who: str, stage: int, kwargs: Mapping[str, Any]) -> None:
     """Refuse front-end arguments that contradict pure bf16 on ZeRO-3 (a stage, offloading, ZeRO off)."""
     if stage != 3:
@@ -728,6 +895,7 @@ __all__ = [
     "PRESETS",
     "check_zero3_arguments",
     "PureBF16Settings",
+    "LightningFrontEnd",
     "register_presets",
     "set_up_environment",
     "EngineRun",

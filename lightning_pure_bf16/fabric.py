@@ -31,11 +31,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pure_bf16 import _internals, collectives, core
-from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_for_zero3
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.hf_models import partitioned_construction
-from lightning_pure_bf16.optim.options import OptimizerOptions
 from lightning_pure_bf16.precision import PureBF16FabricPrecision
 
 
@@ -48,7 +46,7 @@ class _EveryBackwardReduces(_internals.fabric_backward_sync_control()):
         return nullcontext()
 
 
-class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
+class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy):
     """DeepSpeed ZeRO-3 in pure bf16 for Fabric: 8 bytes per parameter of model state (10 with Kahan), sharded.
 
     The arguments are those of :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy` (``rounding``, ``seed``,
@@ -96,60 +94,36 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         logging_level: int = logging.WARN,
         **kwargs: Any,
     ) -> None:
-        who = type(self).__name__
-        core.check_zero3_arguments(who, stage, kwargs)
-        OptimizerOptions(
-            rounding=rounding, seed=seed, backend=backend, moments=moments, compensation=compensation
-        ).check(who)
-        _internals.use_cpu_deepspeed_accelerator_if_no_cuda()
-        silence_known_warnings()
-        super().__init__(
-            accelerator=accelerator,
-            stage=3,
+        self._pure_bf16_init(
+            super().__init__,
+            stage=stage,
+            config=config,
             sub_group_size=sub_group_size,
-            reduce_bucket_size=reduce_bucket_size or core.GPU_BUCKET,
-            allgather_bucket_size=allgather_bucket_size or core.GPU_BUCKET,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            logging_level=logging_level,
-            config=None,
-            **({"timeout": timeout} if timeout is not None else {}),
-            **kwargs,
-        )
-        self.settings = core.PureBF16Settings(
-            who=who,
-            strategy_name=self.strategy_name,
-            loaded_config=self._load_config(config),
-            state_storage=state_storage,
-            state_dir=state_dir,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            timeout=timeout,
             rounding=rounding,
             seed=seed,
             backend=backend,
             moments=moments,
             compensation=compensation,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
+            state_storage=state_storage,
+            state_dir=state_dir,
             gradient_release=gradient_release,
             gather_cache=gather_cache,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            logging_level=logging_level,
+            **kwargs,
         )
-        self.config = self.settings.deepspeed_config(self.config)
         # Fabric clips when `fabric.clip_gradients` asks: without this, DeepSpeed's default (clip to norm 1.0) would
         # apply to every step before the first such call (and not after it).
         self.config.setdefault("gradient_clipping", 0.0)
         self._backward_sync_control = _EveryBackwardReduces()
         self._max_norm: float | None = None
-
-    @property
-    def optimizer_options(self) -> OptimizerOptions:
-        return self.settings.optimizer_options
-
-    # ----------------------------------------------------------------------------------------------- registration
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        core.register_presets(strategy_registry, cls)
 
     # -------------------------------------------------------------------------------------------------- precision
     @property
@@ -230,13 +204,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         )
         self._deepspeed_engine, _, scheduler = self._initialize_engine(module, optimizer, scheduler)
         self._set_deepspeed_activation_checkpointing()
-        core.after_engine_setup(  # held on the engine: engine.pure_bf16
-            self._deepspeed_engine,
-            self.strategy_name,
-            self.root_device,
-            gradient_release=self.settings.gradient_release,
-            gather_cache=self.settings.gather_cache,
-        )
+        self._pure_bf16_engine_setup(self._deepspeed_engine)
         # The pure-bf16 optimizer itself: a torch optimizer (schedulers, param_groups), whose `step` through Fabric's
         # wrapper steps the engine.
         return self._deepspeed_engine, [optimizer], scheduler
@@ -321,15 +289,7 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
         engine = self._engine_in(state, "fabric.save")
         client_state = {k: v for k, v in state.items() if not self._is_engine_or_optimizer(v, engine)}
         client_state = self._convert_stateful_objects_in_state(client_state, filter={})
-        core.save_checkpoint(
-            engine,
-            self.broadcast(os.fspath(path)),
-            client_state,
-            world_size=self.world_size,
-            is_global_zero=self.is_global_zero,
-            barrier=self.barrier,
-            exclude_frozen_parameters=self.exclude_frozen_parameters,
-        )
+        self._pure_bf16_save(engine, path, client_state)
 
     @override
     def load_checkpoint(
@@ -352,15 +312,8 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
             )
         engine = self._engine_in(state, "fabric.load")
         load_optimizer = any(self._is_engine_or_optimizer(v, engine) and v is not engine for v in state.values())
-        client_state, _ = core.load_checkpoint(
-            engine,
-            self.broadcast(os.fspath(path)),
-            world_size=self.world_size,
-            rank=self.global_rank,
-            load_optimizer_states=load_optimizer,
-            strict=strict,
-            strategy_name=self.strategy_name,
-            trust_checkpoint=weights_only is False,
+        client_state, _ = self._pure_bf16_load(
+            engine, path, load_optimizer_states=load_optimizer, strict=strict, trust_checkpoint=weights_only is False
         )
         for key in list(client_state):
             if key not in state or key in ("optimizer", "lr_scheduler"):
@@ -389,28 +342,6 @@ class DeepSpeedPureBF16FabricStrategy(DeepSpeedStrategy):
     def _is_engine_or_optimizer(value: Any, engine: Any) -> bool:
         inner = _internals.fabric_unwrap(value)
         return inner is engine or inner is engine.optimizer or inner is core.inner_optimizer(engine)
-
-    # ------------------------------------------------------------------------------------------------ inspection
-    @property
-    def pure_bf16_optimizer(self) -> Any:
-        """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
-        return core.inner_optimizer(self._deepspeed_engine)
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because a gradient was inf/NaN on some rank."""
-        optimizer = self.pure_bf16_optimizer
-        return optimizer.skipped_steps
-
-    def memory_report(self) -> dict[str, float]:
-        """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers."""
-        return core.memory_report(self._deepspeed_engine)
-
-    def peak_memory(self) -> dict[str, Any] | None:
-        """This rank's peak memory since ``fabric.setup``, measured, beside its model state (see
-        :meth:`lightning_pure_bf16.DeepSpeedPureBF16Strategy.peak_memory`)."""
-        run = core.engine_run(self._deepspeed_engine)
-        return run.peak_memory() if run is not None else None
 
 
 # The strategy is named in Lightning's registry as soon as it is defined (the package imports this module when

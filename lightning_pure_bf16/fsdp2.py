@@ -22,10 +22,10 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.adoption import adopt_optimizer, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.memory import format_report, sharded_model_state_report

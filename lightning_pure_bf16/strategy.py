@@ -24,26 +24,24 @@ from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.imports import RequirementCache
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pure_bf16 import _internals, core
-from lightning_pure_bf16._warnings import silence_known_warnings
+from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.adoption import adopt_for_zero3
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.hf_models import partitioned_construction
-from lightning_pure_bf16.optim.adamw import AdamW
-from lightning_pure_bf16.optim.options import STATE_DIR_ENV, OptimizerOptions
+from lightning_pure_bf16.optim.options import STATE_DIR_ENV
 from lightning_pure_bf16.precision import PureBF16Precision
 
 _DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.8")
 # Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
 
 
-class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
+class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     """DeepSpeed ZeRO-3 in pure bf16: 8 bytes per parameter of model state (10 with Kahan), sharded.
 
     Args:
@@ -133,24 +131,29 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
         logging_level: int = logging.WARN,
         **kwargs: Any,
     ) -> None:
-        name = self.strategy_name
         if not _DEEPSPEED_AVAILABLE:
             raise ModuleNotFoundError(
-                f"`{name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}. `pip install 'deepspeed>=0.19.8'`"
+                f"`{self.strategy_name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}."
+                " `pip install 'deepspeed>=0.19.8'`"
             )
-        who = type(self).__name__
-        core.check_zero3_arguments(who, stage, kwargs)
-        OptimizerOptions(
-            rounding=rounding, seed=seed, backend=backend, moments=moments, compensation=compensation
-        ).check(who)
-        _internals.use_cpu_deepspeed_accelerator_if_no_cuda()
-        silence_known_warnings()
-        super().__init__(
-            accelerator=accelerator,
-            stage=3,
+        self._pure_bf16_init(
+            super().__init__,
+            stage=stage,
+            config=config,
             sub_group_size=sub_group_size,
-            reduce_bucket_size=reduce_bucket_size or core.GPU_BUCKET,
-            allgather_bucket_size=allgather_bucket_size or core.GPU_BUCKET,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            timeout=timeout,
+            rounding=rounding,
+            seed=seed,
+            backend=backend,
+            moments=moments,
+            compensation=compensation,
+            state_storage=state_storage,
+            state_dir=state_dir,
+            gradient_release=gradient_release,
+            gather_cache=gather_cache,
+            accelerator=accelerator,
             partition_activations=partition_activations,
             cpu_checkpointing=cpu_checkpointing,
             contiguous_memory_optimization=contiguous_memory_optimization,
@@ -160,64 +163,9 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             logging_level=logging_level,
-            config=None,
-            **({"timeout": timeout} if timeout is not None else {}),
             **kwargs,
         )
-        self.settings = core.PureBF16Settings(
-            who=who,
-            strategy_name=name,
-            loaded_config=self._load_config(config),
-            state_storage=state_storage,
-            state_dir=state_dir,
-            rounding=rounding,
-            seed=seed,
-            backend=backend,
-            moments=moments,
-            compensation=compensation,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            gradient_release=gradient_release,
-            gather_cache=gather_cache,
-        )
-        self.config = self.settings.deepspeed_config(self.config)
         self.trust_checkpoint = bool(trust_checkpoint)
-
-    @property
-    def optimizer_options(self) -> OptimizerOptions:
-        """The checked options of the optimizer the strategy builds from a torch one."""
-        return self.settings.optimizer_options
-
-    @property
-    def state_storage(self) -> str:
-        """Where the optimizer's moments live: ``"memory"`` or ``"mmap"``."""
-        return self.settings.state_storage
-
-    @property
-    def state_dir(self) -> str | None:
-        """The directory of the state files (``state_storage="mmap"``)."""
-        return self.settings.state_dir
-
-    @property
-    def rounding(self) -> str:
-        """The rounding of the optimizer the strategy builds from a torch one."""
-        return self.optimizer_options.rounding
-
-    @property
-    def seed(self) -> int | None:
-        """The base seed of the rounding noise (each rank derives its own), or ``None`` for the optimizer's."""
-        return self.optimizer_options.seed
-
-    @property
-    def backend(self) -> str:
-        """The optimizer backend."""
-        return self.optimizer_options.backend
-
-    # ----------------------------------------------------------------------------------------------- registration
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        core.register_presets(strategy_registry, cls)
 
     # -------------------------------------------------------------------------------------------------- precision
     @property
@@ -325,13 +273,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_train(self, model: Module) -> None:
         super()._initialize_deepspeed_train(model)
-        core.after_engine_setup(  # held on the engine: engine.pure_bf16
-            self.deepspeed_engine,
-            self.strategy_name,
-            self.root_device,
-            gradient_release=self.settings.gradient_release,
-            gather_cache=self.settings.gather_cache,
-        )
+        self._pure_bf16_engine_setup(self.deepspeed_engine)
 
     # ------------------------------------------------------------------------------------------------------- data
     @override
@@ -355,16 +297,7 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
                 " DeepSpeed writes the checkpoint itself."
             )
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        core.save_checkpoint(
-            self.deepspeed_engine,
-            self.broadcast(os.fspath(filepath)),
-            client_state,
-            world_size=self.world_size,
-            is_global_zero=self.is_global_zero,
-            barrier=self.barrier,
-            exclude_frozen_parameters=self.exclude_frozen_parameters,
-            global_step=checkpoint.get("global_step"),
-        )
+        self._pure_bf16_save(self.deepspeed_engine, filepath, client_state, global_step=checkpoint.get("global_step"))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -380,14 +313,11 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         from lightning.pytorch.trainer.states import TrainerFn
 
-        client_state, repartitioned = core.load_checkpoint(
+        client_state, repartitioned = self._pure_bf16_load(
             self.deepspeed_engine,
             checkpoint_path,
-            world_size=self.world_size,
-            rank=self.global_rank,
             load_optimizer_states=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
             strict=self.lightning_module.strict_loading,
-            strategy_name=self.strategy_name,
             trust_checkpoint=self.trust_checkpoint or weights_only is False,
         )
         if repartitioned is not None and "pytorch-lightning_version" not in client_state:
@@ -412,35 +342,6 @@ class DeepSpeedPureBF16Strategy(DeepSpeedStrategy):
             for logger in trainer.loggers:
                 logger.log_metrics({"pure_bf16/skipped_steps": float(opt.skipped_steps)}, step=trainer.global_step)
         return output
-
-    # ------------------------------------------------------------------------------------------------ inspection
-    @property
-    def pure_bf16_optimizer(self) -> AdamW:
-        """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
-        return core.inner_optimizer(self.deepspeed_engine)
-
-    def memory_report(self) -> dict[str, float]:
-        """Model-state bytes per parameter on this rank, by category, measured from the live ZeRO-3 buffers.
-
-        Returns:
-            See :func:`lightning_pure_bf16.memory.zero3_model_state_report`: ``param``, ``grad``, ``master``,
-            ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``other_state`` and ``total`` in bytes per trainable
-            parameter of this rank's partition, ``params_on_rank``; frozen parameters in ``frozen`` and
-            ``frozen_params_on_rank``, and ``whole_model`` over both.
-        """
-        return core.memory_report(self.deepspeed_engine)
-
-    def peak_memory(self) -> dict[str, Any] | None:
-        """This rank's peak memory since setup, measured, beside its model state.
-
-        Returns:
-            See :func:`lightning_pure_bf16.memory.peak_report`: ``peak_gib``, ``at_setup_gib``,
-            ``above_setup_per_param`` (bytes per parameter of this rank's partition the steps added at their peak),
-            ``model_state_per_param`` and ``source`` (CUDA's allocator, or the CPU's resident set); ``None`` before
-            setup or where no peak can be measured.
-        """
-        run = core.engine_run(self.deepspeed_engine)
-        return run.peak_memory() if run is not None else None
 
     @override
     def on_train_end(self) -> None:
