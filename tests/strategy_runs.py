@@ -1,4 +1,5 @@
-"""Runs tests/scripts/*.py in fresh processes (Lightning launches the other ranks) and loads what they wrote."""
+"""Runs tests/scripts/*.py as processes of their own (Lightning launches the other ranks), started warm
+(``tests/warm``), and loads what they wrote."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from tests import warm
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT_S = 300
@@ -54,13 +57,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def run_script(script: str, out: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=_env(**env),
-    )
+    command, env = warm.command([sys.executable, str(SCRIPTS / script), str(out), *args], _env(**env))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -86,8 +84,9 @@ def output(out: Path) -> str:
 def fit_nodes(out: Path, num_nodes: int, **opts: object) -> None:
     """One fit over ``num_nodes`` simulated nodes on this machine, launched as a cluster launches them: the same
     command once per node with its ``NODE_RANK`` and one master address (Lightning launches each node's other ranks)."""
-    env = _env()
-    args = [sys.executable, str(SCRIPTS / "fit_mlp.py"), str(out), json.dumps({**opts, "num_nodes": num_nodes})]
+    args, env = warm.command(
+        [sys.executable, str(SCRIPTS / "fit_mlp.py"), str(out), json.dumps({**opts, "num_nodes": num_nodes})], _env()
+    )
     procs = [
         subprocess.Popen(args, env={**env, "NODE_RANK": str(node)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for node in range(num_nodes)

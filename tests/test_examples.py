@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import warm
 from tests.strategy_runs import _env
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -37,9 +38,8 @@ def test_gpt_shapes():
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=600, env=_env(), cwd=EXAMPLES
-    )
+    command, env = warm.command([sys.executable, *args], _env())
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=EXAMPLES)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 

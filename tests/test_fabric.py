@@ -12,17 +12,13 @@ import torch
 
 from lightning_pure_bf16 import consolidate_checkpoint
 from lightning_pure_bf16.checkpoint import MANIFEST, consolidate_optimizer_state
+from tests import warm
 from tests.strategy_runs import SCRIPTS, TIMEOUT_S, _env, load_ranks
 
 
 def fabric_run(out, check: bool = True, **opts) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "fabric_mlp.py"), str(out), json.dumps(opts)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=_env(),
-    )
+    command, env = warm.command([sys.executable, str(SCRIPTS / "fabric_mlp.py"), str(out), json.dumps(opts)], _env())
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"fabric_mlp.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
