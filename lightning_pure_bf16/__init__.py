@@ -16,7 +16,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_pure_bf16 import _log  # noqa: F401  (the package logger's console handler, set up once)
 from lightning_pure_bf16.checkpoint import (
@@ -31,6 +31,12 @@ from lightning_pure_bf16.integrations import host_watch
 from lightning_pure_bf16.optim import Adam, AdamW
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.pretrained import PretrainedError, load_pretrained, save_pretrained
+
+if TYPE_CHECKING:  # loaded on first use (below); named here for type checkers and the API reference
+    from lightning_pure_bf16.fabric import DeepSpeedPureBF16FabricStrategy
+    from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Strategy
+    from lightning_pure_bf16.precision import PureBF16FabricPrecision, PureBF16Precision
+    from lightning_pure_bf16.strategy import DeepSpeedPureBF16Strategy
 
 __version__ = "0.1.0"
 
