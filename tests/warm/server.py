@@ -3,10 +3,11 @@ script it is asked to in a fork of itself, as ``python SCRIPT ARGS`` would (its 
 directory and standard streams, ``__main__``, exit status and exit handlers).
 
 The suite starts over a hundred processes; each spent about six seconds importing what every one of them imports.
-Only what a fresh interpreter would not differ: the modules above are already imported (under the environment the
-server started with, which ``tests/warm/__init__.py`` requires to match), and the rank Lightning reads from the
-environment at import is read again. The client is the ``python`` a script sees (``sys.executable``), so the ranks
-Lightning launches from it start warm too.
+What differs from a fresh interpreter: the modules above are imported already (under the environment the server
+started with, which ``tests/warm/__init__.py`` requires to match in what an import reads), the hash seed is the
+server's, and a script's process ends without tearing its modules down (the end of this file says why). The rank
+Lightning reads from the environment at import is read again. The client is the ``python`` a script sees
+(``sys.executable``), so the ranks Lightning launches from it start warm too.
 
 Usage: ``python tests/warm/server.py SOCKET`` (listens on the Unix socket SOCKET once its imports are done; ends
 when its parent does).
