@@ -56,6 +56,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LIGHTNING_NAMES])
+
+
 def _register_strategies() -> None:
     """Load the three Lightning front ends, each of which names its strategies in Lightning's registries as it loads
     (one already loading, as when Lightning's import started inside it, does so when it finishes)."""

@@ -164,6 +164,7 @@ def test_the_package_loads_no_lightning_and_registers_its_strategies_when_lightn
         "import lightning; assert type(lightning.__loader__).__module__.startswith('_frozen_importlib')\n"
     )
     first = "import sys, lightning_pure_bf16 as p\nassert 'lightning' not in sys.modules, 'Lightning loaded'\n"
+    first += "assert 'DeepSpeedPureBF16Strategy' in dir(p)\n"
     procs = [
         subprocess.Popen([sys.executable, "-c", first + then + check], stderr=subprocess.PIPE, text=True, env=_env())
         for then in ("import lightning\n", "from lightning_pure_bf16 import DeepSpeedPureBF16Strategy\n")
