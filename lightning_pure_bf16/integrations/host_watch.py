@@ -19,10 +19,10 @@ import sys
 import warnings
 from typing import Any
 
-import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from lightning_pure_bf16._log import global_rank
 from lightning_pure_bf16.optim import AdamW, register_construction_hook
 
 # Class names of this package's optimizers built while a Hugging Face host prepares DeepSpeed, since the last step.
@@ -65,8 +65,7 @@ def _first_step_anywhere(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     if _step_hook is not None:
         _step_hook.remove()
         _step_hook = None
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if replaced and rank == 0:
+    if replaced and global_rank() == 0:
         warnings.warn(
             f"`lightning_pure_bf16.{replaced[0]}` was built for a Hugging Face DeepSpeed run, but"
             f" `{type(optimizer).__module__}.{type(optimizer).__name__}` is stepping and it never has: the host"
