@@ -28,7 +28,7 @@ import os
 import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from weakref import ref
 
@@ -60,458 +60,215 @@ class PrivateName:
     params: tuple[str, ...] = ()
 
 
+def _private_names(table: str) -> tuple[PrivateName, ...]:
+    """The entries of :data:`PRIVATE_NAMES`' table."""
+    names: list[PrivateName] = []
+    owner = ""
+    for line in table.strip("\n").splitlines():
+        if not line.startswith(" "):
+            owner = line
+        elif line.startswith(" " * 8):
+            names[-1] = replace(names[-1], why=f"{names[-1].why} {line.strip()}")
+        else:
+            name, kind, why = (part.strip() for part in line.split(" | "))
+            kind, _, params = kind.rstrip(")").partition("(")
+            names.append(PrivateName(owner, name, kind, why, tuple(params.split(", ")) if params else ()))
+    return tuple(names)
+
+
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _LIGHTNING_DS = "lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy"
-_FABRIC_DS = "lightning.fabric.strategies.deepspeed:DeepSpeedStrategy"
-_ACCELERATOR = "accelerate.accelerator:Accelerator"
-_COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator"
 # ZeRO-3's per-parameter views of its flat gradient partition (a name-mangled attribute).
 _GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 # Owners in optional dependencies: checked where they are installed.
 OPTIONAL_OWNERS = ("accelerate", "transformers")
 
-PRIVATE_NAMES: tuple[PrivateName, ...] = (
-    # DeepSpeed ZeRO-3 optimizer
-    PrivateName(_STAGE3, "_create_fp32_partitions", "method", "wrapped to alias the master partition", ("self",)),
-    PrivateName(_STAGE3, "device", "attribute", "the string compared in _create_fp32_partitions (aliasing fix)"),
-    PrivateName(_STAGE3, "offload_optimizer", "attribute", "aliasing applies only without optimizer offload"),
-    PrivateName(_STAGE3, "swap_optimizer", "attribute", "release skips the setup's zero gradient (no swap)"),
-    PrivateName(_STAGE3, "fp16_partitioned_groups_flat", "attribute", "the bf16 parameter partitions (memory report)"),
-    PrivateName(_STAGE3, "fp32_partitioned_groups_flat", "attribute", "the master partitions the optimizer updates"),
-    PrivateName(_STAGE3, "sub_group_to_group_id", "attribute", "maps each flat partition to its param group"),
-    PrivateName(_STAGE3, "grad_partitions_flat_buffer", "attribute", "the gradient partition (memory report)"),
-    PrivateName(_STAGE3, "optimizer", "attribute", "the wrapped pure-bf16 optimizer"),
-    PrivateName(
-        _STAGE3,
-        "def _prepare_fp32_grad_for_sub_group(self, sub_group_id)",
-        "marker",
-        "replaced per engine: the sub-group's gradient as a view, not a flattened copy (its body: COPIED_UPSTREAM)",
-    ),
-    PrivateName(_STAGE3, "averaged_gradients", "attribute", "each sub-group's gradient partitions (views)"),
-    PrivateName(
-        _STAGE3,
-        "def get_grad_norm_direct(self, gradients, params, norm_type=2)",
-        "marker",
-        "wrapped per engine: the gradient norm reads the partitions in pieces (no full-size float64 copy)",
-    ),
-    PrivateName(_STAGE3, "fp16_groups", "attribute", "each sub-group's parameters in partition order (repartition)"),
-    PrivateName(
-        _STAGE3,
-        "def partition_grads(self, params_to_release",
-        "marker",
-        "replaced per engine under gradient release: each bucket's partitions applied, not kept (its body:"
-        " COPIED_UPSTREAM)",
-    ),
-    PrivateName(
-        _STAGE3,
-        "self.partition_grads(params_in_bucket, grad_partitions)",
-        "marker",
-        "the call inside the reduce stream that gradient release hooks",
-    ),
-    PrivateName(_STAGE3, "_get_param_partition_rank", "method", "whether a partition holds elements", ("self",)),
-    PrivateName(
-        _STAGE3,
-        "reduce_independent_p_g_buckets_and_remove_grads",
-        "method",
-        "wrapped per engine: a full bucket is reduce-scattered at once (reduce_full_buckets_at_once)",
-        ("self", "param"),
-    ),
-    PrivateName(_STAGE3, "ipg_buckets", "attribute", "the gradient buckets, by communication dtype"),
-    PrivateName(_STAGE3, "reduce_bucket_size", "attribute", "the bucket size a full bucket is measured against"),
-    PrivateName(_STAGE3, "get_param_comm_dtype", "method", "the bucket of a parameter", ("self", "param")),
-    PrivateName(
-        _STAGE3,
-        "def __reduce_and_partition_ipg_grads(self, communication_data_type",
-        "marker",
-        "reduce-scatters one bucket and partitions its gradients (called for a full bucket)",
-    ),
-    PrivateName(_STAGE3, "parameter_offload", "attribute", "the owner of ZeRO-3's parameter coordinator"),
-    PrivateName(_STAGE3, "micro_step_id", "attribute", "gradient release: a second backward before the step"),
-    PrivateName(
-        _STAGE3, "__param_id_to_grad_partition", "attribute", "gradient release points them at an empty tensor"
-    ),
-    PrivateName(_STAGE3, "_pre_step", "method", "the bookkeeping step of gradient release", ("self",)),
-    PrivateName(_STAGE3, "_partition_all_parameters", "method", "the bookkeeping step of gradient release", ("self",)),
-    PrivateName(_STAGE3, "_post_step", "method", "the bookkeeping step of gradient release", ("self", "timer_names")),
-    PrivateName(_STAGE3, "overflow", "attribute", "whether a step was skipped; gradient release's step reports none"),
-    PrivateName(_STAGE3, "_global_grad_norm", "attribute", "the bookkeeping step of gradient release sets it"),
-    PrivateName(_STAGE3, "param_names", "attribute", "each parameter's name (repartition)"),
-    PrivateName(_STAGE3, "clip_grad", "attribute", "the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)"),
-    PrivateName(_STAGE3, "checkpoint_event_prologue", "method", "partition every parameter before a load", ("self",)),
-    PrivateName(
-        _STAGE3, "checkpoint_event_epilogue", "method", "re-gather persistent parameters after a load", ("self",)
-    ),
-    PrivateName(
-        "deepspeed.runtime.zero.partition_parameters",
-        "def partition_numel(",
-        "marker",
-        "a ZeRO-3 parameter's partition size on each rank (repartition)",
-    ),
-    PrivateName(
-        "deepspeed.runtime.engine:DeepSpeedEngine", "skipped_steps", "attribute", "steps ZeRO-3 skipped on inf/NaN"
-    ),
-    PrivateName(
-        "deepspeed.runtime.engine:DeepSpeedEngine", "global_steps", "attribute", "restored by a repartitioning load"
-    ),
-    PrivateName(
-        "deepspeed.runtime.engine:DeepSpeedEngine", "global_samples", "attribute", "restored by a repartitioning load"
-    ),
-    PrivateName("deepspeed.accelerator", "set_accelerator", "function", "CPU fits on a GPU host", ("accel_obj",)),
-    PrivateName(
-        "deepspeed.comm.torch:TorchBackend",
-        "all_gather_function",
-        "attribute",
-        "ZeRO-3's parameter all-gather, taken in pieces under gloo (bounded_gloo_collectives)",
-    ),
-    PrivateName(
-        "deepspeed.comm.torch:TorchBackend",
-        "reduce_scatter_function",
-        "attribute",
-        "ZeRO-3's gradient reduce-scatter, taken in pieces under gloo (bounded_gloo_collectives)",
-    ),
-    PrivateName("deepspeed.comm.comm", "cdb = None", "marker", "the communication backend DeepSpeed's collectives use"),
-    # DeepSpeed ZeRO-3 parameter coordinator (gather_cache="next")
-    PrivateName(
-        _COORDINATOR,
-        "fetch_sub_module",
-        "method",
-        "wrapped per engine: gathers the next module once the current one is (gather.prefetch_next_module)",
-        ("self", "current_submodule", "forward"),
-    ),
-    PrivateName(_COORDINATOR, "is_complete_trace", "method", "the module order is known (gather.prefetch_next_module)"),
-    PrivateName(_COORDINATOR, "__submodule_order", "attribute", "the recorded module order of a step"),
-    PrivateName(_COORDINATOR, "__step_id", "attribute", "the index of the next module in that order"),
-    PrivateName(
-        _COORDINATOR,
-        "_PartitionedParameterCoordinator__all_gather_params",
-        "method",
-        "starts an asynchronous all-gather and registers it as in flight, which the next fetch waits on",
-        ("self", "params", "forward"),
-    ),
-    PrivateName(
-        _STAGE3, "_setup_for_real_optimizer", "method", "wrapped: no gradient buffers under release", ("self",)
-    ),
-    PrivateName(
-        _STAGE3,
-        "_prepare_fp32_grad_for_sub_group",
-        "method",
-        "replaced: the step reads a view of the gradient partition",
-        ("self", "sub_group_id"),
-    ),
-    PrivateName(
-        _STAGE3,
-        "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
-        "method",
-        "wrapped: full buckets reduced at once",
-        ("self", "communication_data_type"),
-    ),
-    PrivateName(
-        _STAGE3,
-        "get_grad_norm_direct",
-        "method",
-        "replaced: the norm read in pieces",
-        ("self", "gradients", "params", "norm_type"),
-    ),
-    PrivateName(
-        _STAGE3,
-        "partition_grads",
-        "method",
-        "wrapped: gradient release updates each partition there",
-        ("self", "params_to_release", "grad_partitions"),
-    ),
-    PrivateName(_STAGE3, "zero_grad", "method", "gradients cleared at the released step", ("self", "set_to_none")),
-    # Lightning: methods of DeepSpeedStrategy the Trainer strategy overrides or calls
-    PrivateName(_LIGHTNING_DS, "_load_config", "method", "reads the user's DeepSpeed config", ("self", "config")),
-    PrivateName(_LIGHTNING_DS, "_init_deepspeed_distributed", "method", "the CPU (gloo) process group", ("self",)),
-    PrivateName(_LIGHTNING_DS, "_init_optimizers", "method", "torch AdamW/Adam adopted there", ("self",)),
-    PrivateName(_LIGHTNING_DS, "_initialize_deepspeed_train", "method", "states allocated after it", ("self", "model")),
-    PrivateName(
-        _LIGHTNING_DS,
-        "_setup_model_and_optimizer",
-        "method",
-        "replaced: DeepSpeed initialized with aliasing and a CPU device rank",
-        ("self", "model", "optimizer"),
-    ),
-    PrivateName(
-        _LIGHTNING_DS, "_initialize_deepspeed_inference", "method", "replaced: a CPU device rank", ("self", "model")
-    ),
-    PrivateName(_LIGHTNING_DS, "exclude_frozen_parameters", "attribute", "passed to DeepSpeed's save_checkpoint"),
-    # Lightning: what the Fabric strategy overrides, calls or sets of Fabric's DeepSpeedStrategy
-    PrivateName(_FABRIC_DS, "_setup_distributed", "method", "overridden: the CPU (gloo) process group", ("self",)),
-    PrivateName(_FABRIC_DS, "_set_world_ranks", "method", "called there, as Fabric's own does", ("self",)),
-    PrivateName(_FABRIC_DS, "_format_config", "method", "called there once, as Fabric's own does", ("self",)),
-    PrivateName(_FABRIC_DS, "_config_initialized", "attribute", "whether the config was formatted"),
-    PrivateName(
-        _FABRIC_DS,
-        "_initialize_engine",
-        "method",
-        "DeepSpeed initialized (with this package's patches around it)",
-        ("self", "model", "optimizer", "scheduler"),
-    ),
-    PrivateName(_FABRIC_DS, "_deepspeed_engine", "attribute", "the engine the strategy keeps"),
-    PrivateName(_FABRIC_DS, "_set_deepspeed_activation_checkpointing", "method", "as Fabric's setup does", ("self",)),
-    PrivateName(
-        _FABRIC_DS,
-        "_convert_stateful_objects_in_state",
-        "method",
-        "fabric.save's client state, as Fabric's own save converts it",
-        ("self", "state", "filter"),
-    ),
-    PrivateName(_FABRIC_DS, "_backward_sync_control", "attribute", "replaced: no_backward_sync under ZeRO-3"),
-    PrivateName(
-        "lightning.fabric.strategies.strategy:Strategy", "_precision", "attribute", "the precision the strategy sets"
-    ),
-    PrivateName(
-        "lightning.pytorch.strategies.strategy:Strategy",
-        "_precision_plugin",
-        "attribute",
-        "the storage of the precision plugin property the strategy overrides",
-    ),
-    PrivateName(
-        "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy",
-        "_data_parallel_size",
-        "attribute",
-        "the FSDP2 strategy's data-parallel size, set from the world size before the mesh is built",
-    ),
-    PrivateName(
-        "lightning.pytorch.strategies.model_parallel:ModelParallelStrategy",
-        "_tensor_parallel_size",
-        "attribute",
-        "read with _data_parallel_size",
-    ),
-    PrivateName(
-        "lightning.pytorch.strategies.deepspeed",
-        "remove_module_hooks",
-        "function",
-        "inference setup, as Lightning's",
-        ("model",),
-    ),
-    PrivateName(
-        "lightning.pytorch.utilities._pytree", "LeafSpec()", "marker", "origin of a warning _warnings.py filters"
-    ),
-    PrivateName(
-        "lightning.pytorch.trainer.connectors.data_connector",
-        "_parse_num_batches",
-        "function",
-        "the batches of a train epoch, as the fit loop counts them (data.py)",
-        ("stage", "length", "limit_batches"),
-    ),
-    PrivateName(
-        "lightning.fabric.utilities.data",
-        "_update_dataloader",
-        "function",
-        "a train loader rebuilt with another sampler (data.py)",
-        ("dataloader", "sampler"),
-    ),
-    PrivateName(
-        "lightning.fabric.strategies.strategy",
-        "class _BackwardSyncControl",
-        "marker",
-        "the base of the Fabric strategy's no_backward_sync control (fabric.py)",
-    ),
-    PrivateName(
-        "lightning.fabric.wrappers",
-        "_unwrap_objects",
-        "function",
-        "Fabric's wrappers unwrapped (fabric.py)",
-        ("collection",),
-    ),
-    PrivateName(
-        "lightning.fabric.wrappers:_FabricDataLoader",
-        "_num_iter_calls",
-        "attribute",
-        "the epoch Fabric gives the sampler at each pass, restored by resume_fabric_dataloader (data.py)",
-    ),
-    PrivateName(
-        "lightning.fabric.wrappers:_FabricDataLoader",
-        "_dataloader",
-        "attribute",
-        "the loader Fabric wraps, replaced by resume_fabric_dataloader (data.py)",
-    ),
-    PrivateName(
-        "lightning.fabric.utilities.distributed:_DatasetSamplerWrapper",
-        "_sampler",
-        "attribute",
-        "the sampler a DistributedSamplerWrapper shards (data.py)",
-    ),
-    PrivateName(
-        "lightning.fabric.fabric:Fabric._get_distributed_sampler",
-        "isinstance(dataloader.sampler, (RandomSampler, SequentialSampler))",
-        "marker",
-        "Fabric wraps a sampler of another class (torchdata's RandomSampler) instead of reshuffling by seed (data.py)",
-    ),
-    PrivateName(
-        "lightning.pytorch.trainer.connectors.data_connector:_get_distributed_sampler",
-        "isinstance(dataloader.sampler, (RandomSampler, SequentialSampler))",
-        "marker",
-        "the Trainer wraps torchdata's RandomSampler likewise (data.py)",
-    ),
-    # torch
-    PrivateName(
-        "torch.optim.lr_scheduler", "_wrapped_by_lr_sched", "marker", "set on the adopted optimizer's step (adoption)"
-    ),
-    PrivateName(
-        "torch.optim.lr_scheduler", "_opt_called", "marker", "set by that wrapper (adoption), and by gradient release"
-    ),
-    PrivateName(
-        "torch.distributed.distributed_c10d",
-        "`torch.distributed.all_gather_into_tensor` is deprecated",
-        "marker",
-        "a warning _warnings.py filters",
-    ),
-    PrivateName(
-        "torch.distributed.distributed_c10d",
-        "`torch.distributed.reduce_scatter_tensor` is deprecated",
-        "marker",
-        "a warning _warnings.py filters",
-    ),
-    PrivateName("torch.optim:Optimizer.load_state_dict", "self.__setstate__(", "marker", "AdamW.__setstate__"),
-    # DeepSpeed's engine: how it reads a checkpoint's files
-    PrivateName(
-        "deepspeed.runtime.engine:DeepSpeedEngine",
-        "checkpoint_engine",
-        "attribute",
-        "its file reader, given memory-mapped reads for a resume (core.load_checkpoint)",
-    ),
-    PrivateName(
-        "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine",
-        "load",
-        "method",
-        "replaced for a resume by a memory-mapped, weights-only read of the same file",
-        ("self", "path", "map_location"),
-    ),
-    PrivateName(
-        "deepspeed.runtime.engine:DeepSpeedEngine",
-        "self.checkpoint_engine.load(",
-        "marker",
-        "every file a resume reads goes through the checkpoint engine's load",
-    ),
-    # Accelerate (the integrations, optional): what its DeepSpeed preparation calls
-    PrivateName(
-        _ACCELERATOR,
-        "_prepare_deepspeed",
-        "method",
-        "run with deepspeed.initialize routed to lightning_pure_bf16.deepspeed.initialize (integrations)",
-        ("self",),
-    ),
-    PrivateName(
-        f"{_ACCELERATOR}._prepare_deepspeed",
-        "ds_initialize = deepspeed.initialize",
-        "marker",
-        "the function it reads when it runs, replaced for that time (integrations)",
-    ),
-    PrivateName("torch.cpu", "get_capabilities", "function", "precision.py: does this CPU have bf16 dot products"),
-    # transformers (the Trainer integration, optional): how save_pretrained names what it writes
-    PrivateName(
-        "transformers.modeling_utils",
-        "remove_tied_weights_from_state_dict",
-        "function",
-        "the names save_model writes from the partitions: tied weights once, under the name the model expects",
-        ("state_dict", "model"),
-    ),
-    PrivateName(
-        "transformers.core_model_loading",
-        "revert_weight_conversion",
-        "function",
-        "a model whose saved names or tensors differ from its own is saved by the Trainer's gathering path",
-        ("model", "state_dict"),
-    ),
-    # transformers under ZeRO-3's partitioned init (hf_models.py, optional)
-    PrivateName(
-        "transformers.modeling_utils:PreTrainedModel",
-        "init_weights",
-        "method",
-        "replaced while the partitioned init is open: initialisation on gathered partitions (COPIED_UPSTREAM)",
-        ("self",),
-    ),
-    PrivateName(
-        "transformers.modeling_utils:PreTrainedModel",
-        "_initialize_weights",
-        "method",
-        "one module's initialisation, run on its gathered parameters",
-        ("self", "module", "is_custom_code"),
-    ),
-    PrivateName(
-        "transformers.modeling_utils:PreTrainedModel",
-        "tie_weights",
-        "method",
-        "ties made after a partitioned construction",
-        ("self", "missing_keys", "recompute_mapping"),
-    ),
-    PrivateName(
-        "deepspeed.runtime.zero.partition_parameters",
-        "zero_init_context",
-        "marker",
-        "the depth of open zero.Init contexts (a partitioned construction is open)",
-    ),
-    PrivateName(
-        "deepspeed.runtime.zero.partition_parameters",
-        "_old_init",
-        "marker",
-        "where zero.Init keeps a class's own __init__ while it is open",
-    ),
-    PrivateName(
-        "torch.nn.modules.module:Module",
-        "_non_persistent_buffers_set",
-        "marker",
-        "the buffers a state dict leaves out (pretrained.py's targets)",
-    ),
-    PrivateName(
-        "transformers.modeling_utils:PreTrainedModel",
-        "_is_hf_initialized",
-        "marker",
-        "the flag that marks a loaded parameter or an initialised module, which initialisation skips",
-    ),
-    PrivateName(
-        "transformers.integrations.deepspeed",
-        "_hf_deepspeed_config_weak_ref = None",
-        "marker",
-        "the registered DeepSpeed config, put back after the partitioned construction",
-    ),
-    PrivateName(
-        "transformers.integrations.deepspeed",
-        "prevent_arange_dtype_change",
-        "function",
-        "RoPE buffers keep their dtypes under zero.Init",
-    ),
-    PrivateName(
-        "transformers.models.auto.auto_factory:_BaseAutoModelClass",
-        "_model_mapping",
-        "attribute",
-        "from_pretrained(model_class=AutoModel...): the family's class for a config",
-    ),
-    PrivateName(
-        "transformers.configuration_utils:PreTrainedConfig",
-        "_attn_implementation",
-        "marker",
-        "from_pretrained(attn_implementation=...)",
-    ),
-    PrivateName(
-        "deepspeed.runtime.zero.partition_parameters",
-        "cls._old_init = cls.__init__",
-        "marker",
-        "the __init__ zero.Init wrapped and restores on exit (zero_init_keeping_later_inits)",
-    ),
-    PrivateName(
-        "deepspeed.runtime.zero.partition_parameters",
-        "@functools.wraps(f)",
-        "marker",
-        "zero.Init's wrapper of a class's __init__ is known by its __wrapped__ (zero_init_keeping_later_inits)",
-    ),
-    PrivateName(
-        "deepspeed.runtime.zero.partition_parameters",
-        "zero_init_context = 0",
-        "marker",
-        "whether zero.Init is open (from_pretrained refuses to build a model whole)",
-    ),
-    PrivateName(
-        "transformers.trainer:Trainer",
-        "_save",
-        "method",
-        "the Trainer's config, tokenizer and arguments files, written beside the weights save_model streams",
-        ("self", "output_dir", "state_dict"),
-    ),
-)
+# Each private name relied on: the owner (``"module:Qualname"``) on a line of its own, then its names, one per line,
+# as ``name | kind | why`` (see :class:`PrivateName`); a kind ``method(self, x)`` names the leading parameters; a
+# deeper indent continues a why.
+PRIVATE_NAMES: tuple[PrivateName, ...] = _private_names("""
+deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3
+    _create_fp32_partitions | method(self) | wrapped to alias the master partition
+    device | attribute | the string compared in _create_fp32_partitions (aliasing fix)
+    offload_optimizer | attribute | aliasing applies only without optimizer offload
+    swap_optimizer | attribute | release skips the setup's zero gradient (no swap)
+    fp16_partitioned_groups_flat | attribute | the bf16 parameter partitions (memory report)
+    fp32_partitioned_groups_flat | attribute | the master partitions the optimizer updates
+    sub_group_to_group_id | attribute | maps each flat partition to its param group
+    grad_partitions_flat_buffer | attribute | the gradient partition (memory report)
+    optimizer | attribute | the wrapped pure-bf16 optimizer
+    def _prepare_fp32_grad_for_sub_group(self, sub_group_id) | marker | replaced per engine: the sub-group's gradient as
+        a view, not a flattened copy (its body: COPIED_UPSTREAM)
+    averaged_gradients | attribute | each sub-group's gradient partitions (views)
+    def get_grad_norm_direct(self, gradients, params, norm_type=2) | marker | wrapped per engine: the gradient norm
+        reads the partitions in pieces (no full-size float64 copy)
+    fp16_groups | attribute | each sub-group's parameters in partition order (repartition)
+    def partition_grads(self, params_to_release | marker | replaced per engine under gradient release: each bucket's
+        partitions applied, not kept (its body: COPIED_UPSTREAM)
+    self.partition_grads(params_in_bucket, grad_partitions) | marker | the call inside the reduce stream that gradient
+        release hooks
+    _get_param_partition_rank | method(self) | whether a partition holds elements
+    reduce_independent_p_g_buckets_and_remove_grads | method(self, param) | wrapped per engine: a full bucket is
+        reduce-scattered at once (reduce_full_buckets_at_once)
+    ipg_buckets | attribute | the gradient buckets, by communication dtype
+    reduce_bucket_size | attribute | the bucket size a full bucket is measured against
+    get_param_comm_dtype | method(self, param) | the bucket of a parameter
+    def __reduce_and_partition_ipg_grads(self, communication_data_type | marker | reduce-scatters one bucket and
+        partitions its gradients (called for a full bucket)
+    parameter_offload | attribute | the owner of ZeRO-3's parameter coordinator
+    micro_step_id | attribute | gradient release: a second backward before the step
+    __param_id_to_grad_partition | attribute | gradient release points them at an empty tensor
+    _pre_step | method(self) | the bookkeeping step of gradient release
+    _partition_all_parameters | method(self) | the bookkeeping step of gradient release
+    _post_step | method(self, timer_names) | the bookkeeping step of gradient release
+    overflow | attribute | whether a step was skipped; gradient release's step reports none
+    _global_grad_norm | attribute | the bookkeeping step of gradient release sets it
+    param_names | attribute | each parameter's name (repartition)
+    clip_grad | attribute | the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)
+    checkpoint_event_prologue | method(self) | partition every parameter before a load
+    checkpoint_event_epilogue | method(self) | re-gather persistent parameters after a load
+    _setup_for_real_optimizer | method(self) | wrapped: no gradient buffers under release
+    _prepare_fp32_grad_for_sub_group | method(self, sub_group_id) | replaced: the step reads a view of the gradient
+        partition
+    _DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads | method(self, communication_data_type) | wrapped:
+        full buckets reduced at once
+    get_grad_norm_direct | method(self, gradients, params, norm_type) | replaced: the norm read in pieces
+    partition_grads | method(self, params_to_release, grad_partitions) | wrapped: gradient release updates each
+        partition there
+    zero_grad | method(self, set_to_none) | gradients cleared at the released step
+deepspeed.runtime.zero.partition_parameters
+    def partition_numel( | marker | a ZeRO-3 parameter's partition size on each rank (repartition)
+    zero_init_context | marker | the depth of open zero.Init contexts (a partitioned construction is open)
+    _old_init | marker | where zero.Init keeps a class's own __init__ while it is open
+    cls._old_init = cls.__init__ | marker | the __init__ zero.Init wrapped and restores on exit
+        (zero_init_keeping_later_inits)
+    @functools.wraps(f) | marker | zero.Init's wrapper of a class's __init__ is known by its __wrapped__
+        (zero_init_keeping_later_inits)
+    zero_init_context = 0 | marker | whether zero.Init is open (from_pretrained refuses to build a model whole)
+deepspeed.runtime.engine:DeepSpeedEngine
+    skipped_steps | attribute | steps ZeRO-3 skipped on inf/NaN
+    global_steps | attribute | restored by a repartitioning load
+    global_samples | attribute | restored by a repartitioning load
+    checkpoint_engine | attribute | its file reader, given memory-mapped reads for a resume (core.load_checkpoint)
+    self.checkpoint_engine.load( | marker | every file a resume reads goes through the checkpoint engine's load
+deepspeed.accelerator
+    set_accelerator | function(accel_obj) | CPU fits on a GPU host
+deepspeed.comm.torch:TorchBackend
+    all_gather_function | attribute | ZeRO-3's parameter all-gather, taken in pieces under gloo
+        (bounded_gloo_collectives)
+    reduce_scatter_function | attribute | ZeRO-3's gradient reduce-scatter, taken in pieces under gloo
+        (bounded_gloo_collectives)
+deepspeed.comm.comm
+    cdb = None | marker | the communication backend DeepSpeed's collectives use
+deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator
+    fetch_sub_module | method(self, current_submodule, forward) | wrapped per engine: gathers the next module once the
+        current one is (gather.prefetch_next_module)
+    is_complete_trace | method | the module order is known (gather.prefetch_next_module)
+    __submodule_order | attribute | the recorded module order of a step
+    __step_id | attribute | the index of the next module in that order
+    _PartitionedParameterCoordinator__all_gather_params | method(self, params, forward) | starts an asynchronous
+        all-gather and registers it as in flight, which the next fetch waits on
+lightning.pytorch.strategies.deepspeed:DeepSpeedStrategy
+    _load_config | method(self, config) | reads the user's DeepSpeed config
+    _init_deepspeed_distributed | method(self) | the CPU (gloo) process group
+    _init_optimizers | method(self) | torch AdamW/Adam adopted there
+    _initialize_deepspeed_train | method(self, model) | states allocated after it
+    _setup_model_and_optimizer | method(self, model, optimizer) | replaced: DeepSpeed initialized with aliasing and a
+        CPU device rank
+    _initialize_deepspeed_inference | method(self, model) | replaced: a CPU device rank
+    exclude_frozen_parameters | attribute | passed to DeepSpeed's save_checkpoint
+lightning.fabric.strategies.deepspeed:DeepSpeedStrategy
+    _setup_distributed | method(self) | overridden: the CPU (gloo) process group
+    _set_world_ranks | method(self) | called there, as Fabric's own does
+    _format_config | method(self) | called there once, as Fabric's own does
+    _config_initialized | attribute | whether the config was formatted
+    _initialize_engine | method(self, model, optimizer, scheduler) | DeepSpeed initialized (with this package's patches
+        around it)
+    _deepspeed_engine | attribute | the engine the strategy keeps
+    _set_deepspeed_activation_checkpointing | method(self) | as Fabric's setup does
+    _convert_stateful_objects_in_state | method(self, state, filter) | fabric.save's client state, as Fabric's own save
+        converts it
+    _backward_sync_control | attribute | replaced: no_backward_sync under ZeRO-3
+lightning.fabric.strategies.strategy:Strategy
+    _precision | attribute | the precision the strategy sets
+lightning.pytorch.strategies.strategy:Strategy
+    _precision_plugin | attribute | the storage of the precision plugin property the strategy overrides
+lightning.pytorch.strategies.model_parallel:ModelParallelStrategy
+    _data_parallel_size | attribute | the FSDP2 strategy's data-parallel size, set from the world size before the mesh
+        is built
+    _tensor_parallel_size | attribute | read with _data_parallel_size
+lightning.pytorch.strategies.deepspeed
+    remove_module_hooks | function(model) | inference setup, as Lightning's
+lightning.pytorch.utilities._pytree
+    LeafSpec() | marker | origin of a warning _warnings.py filters
+lightning.pytorch.trainer.connectors.data_connector
+    _parse_num_batches | function(stage, length, limit_batches) | the batches of a train epoch, as the fit loop counts
+        them (data.py)
+lightning.fabric.utilities.data
+    _update_dataloader | function(dataloader, sampler) | a train loader rebuilt with another sampler (data.py)
+lightning.fabric.strategies.strategy
+    class _BackwardSyncControl | marker | the base of the Fabric strategy's no_backward_sync control (fabric.py)
+lightning.fabric.wrappers
+    _unwrap_objects | function(collection) | Fabric's wrappers unwrapped (fabric.py)
+lightning.fabric.wrappers:_FabricDataLoader
+    _num_iter_calls | attribute | the epoch Fabric gives the sampler at each pass, restored by resume_fabric_dataloader
+        (data.py)
+    _dataloader | attribute | the loader Fabric wraps, replaced by resume_fabric_dataloader (data.py)
+lightning.fabric.utilities.distributed:_DatasetSamplerWrapper
+    _sampler | attribute | the sampler a DistributedSamplerWrapper shards (data.py)
+lightning.fabric.fabric:Fabric._get_distributed_sampler
+    isinstance(dataloader.sampler, (RandomSampler, SequentialSampler)) | marker | Fabric wraps a sampler of another
+        class (torchdata's RandomSampler) instead of reshuffling by seed (data.py)
+lightning.pytorch.trainer.connectors.data_connector:_get_distributed_sampler
+    isinstance(dataloader.sampler, (RandomSampler, SequentialSampler)) | marker | the Trainer wraps torchdata's
+        RandomSampler likewise (data.py)
+torch.optim.lr_scheduler
+    _wrapped_by_lr_sched | marker | set on the adopted optimizer's step (adoption)
+    _opt_called | marker | set by that wrapper (adoption), and by gradient release
+torch.distributed.distributed_c10d
+    `torch.distributed.all_gather_into_tensor` is deprecated | marker | a warning _warnings.py filters
+    `torch.distributed.reduce_scatter_tensor` is deprecated | marker | a warning _warnings.py filters
+torch.optim:Optimizer.load_state_dict
+    self.__setstate__( | marker | AdamW.__setstate__
+deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine
+    load | method(self, path, map_location) | replaced for a resume by a memory-mapped, weights-only read of the same
+        file
+accelerate.accelerator:Accelerator
+    _prepare_deepspeed | method(self) | run with deepspeed.initialize routed to lightning_pure_bf16.deepspeed.initialize
+        (integrations)
+accelerate.accelerator:Accelerator._prepare_deepspeed
+    ds_initialize = deepspeed.initialize | marker | the function it reads when it runs, replaced for that time
+        (integrations)
+torch.cpu
+    get_capabilities | function | precision.py: does this CPU have bf16 dot products
+transformers.modeling_utils
+    remove_tied_weights_from_state_dict | function(state_dict, model) | the names save_model writes from the partitions:
+        tied weights once, under the name the model expects
+transformers.core_model_loading
+    revert_weight_conversion | function(model, state_dict) | a model whose saved names or tensors differ from its own is
+        saved by the Trainer's gathering path
+transformers.modeling_utils:PreTrainedModel
+    init_weights | method(self) | replaced while the partitioned init is open: initialisation on gathered partitions
+        (COPIED_UPSTREAM)
+    _initialize_weights | method(self, module, is_custom_code) | one module's initialisation, run on its gathered
+        parameters
+    tie_weights | method(self, missing_keys, recompute_mapping) | ties made after a partitioned construction
+    _is_hf_initialized | marker | the flag that marks a loaded parameter or an initialised module, which initialisation
+        skips
+torch.nn.modules.module:Module
+    _non_persistent_buffers_set | marker | the buffers a state dict leaves out (pretrained.py's targets)
+transformers.integrations.deepspeed
+    _hf_deepspeed_config_weak_ref = None | marker | the registered DeepSpeed config, put back after the partitioned
+        construction
+    prevent_arange_dtype_change | function | RoPE buffers keep their dtypes under zero.Init
+transformers.models.auto.auto_factory:_BaseAutoModelClass
+    _model_mapping | attribute | from_pretrained(model_class=AutoModel...): the family's class for a config
+transformers.configuration_utils:PreTrainedConfig
+    _attn_implementation | marker | from_pretrained(attn_implementation=...)
+transformers.trainer:Trainer
+    _save | method(self, output_dir, state_dict) | the Trainer's config, tokenizer and arguments files, written beside
+        the weights save_model streams
+""")
 
 # Upstream code this package copies or replaces, with the fingerprint (:func:`source_fingerprint`) of each tested
 # version. A fingerprint not listed means upstream changed the code: review the copy named in ``ours``, then add it.
