@@ -73,6 +73,18 @@ _LAYER_GATHER = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 
 _GATHER_KEYS = ("stage3_max_reuse_distance", "stage3_max_live_parameters", "stage3_prefetch_bucket_size")
 
 
+# The pure-bf16 options every front end takes, by these names (PureBF16Settings's arguments).
+OPTION_NAMES = (
+    "rounding",
+    "seed",
+    "backend",
+    "moments",
+    "compensation",
+    "state_storage",
+    "state_dir",
+    "gradient_release",
+    "gather_cache",
+)
 # The registered names, for the Trainer and for Fabric: (description, the strategy arguments they set).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepspeed_pure_bf16": ("DeepSpeed ZeRO-3 in pure bf16 with stochastic rounding", {}),
@@ -231,15 +243,15 @@ class PureBF16Settings:
         who: str,
         strategy_name: str,
         loaded_config: dict[str, Any] | None,
-        state_storage: str,
-        state_dir: str | os.PathLike | None,
-        rounding: str,
-        seed: int | None,
-        backend: str,
-        moments: str,
-        compensation: str,
-        reduce_bucket_size: int | None,
-        allgather_bucket_size: int | None,
+        state_storage: str = "memory",
+        state_dir: str | os.PathLike | None = None,
+        rounding: str = "stochastic",
+        seed: int | None = None,
+        backend: str = "auto",
+        moments: str = "bf16",
+        compensation: str = "bf16",
+        reduce_bucket_size: int | None = None,
+        allgather_bucket_size: int | None = None,
         gradient_release: bool = False,
         gather_cache: str = "auto",
     ) -> None:
@@ -719,60 +731,35 @@ class LightningFrontEnd:
     strategy_name: str
     settings: PureBF16Settings
 
-    def _pure_bf16_init(
-        self,
-        lightning_init: Callable[..., None],
-        *,
-        stage: int,
-        config: dict[str, Any] | str | os.PathLike | None,
-        sub_group_size: int,
-        reduce_bucket_size: int | None,
-        allgather_bucket_size: int | None,
-        timeout: timedelta | None,
-        rounding: str,
-        seed: int | None,
-        backend: str,
-        moments: str,
-        compensation: str,
-        state_storage: str,
-        state_dir: str | os.PathLike | None,
-        gradient_release: bool,
-        gather_cache: str,
-        **deepspeed: Any,
-    ) -> None:
+    def _pure_bf16_init(self, lightning_init: Callable[..., None], arguments: dict[str, Any]) -> None:
         """Check the arguments (before anything is set up), run Lightning's ``__init__`` with DeepSpeed's (``config``
-        left to the settings), then resolve the settings and build the DeepSpeed config from them."""
+        left to the settings), then resolve the settings and build the DeepSpeed config from them.
+
+        ``arguments`` is the front end's ``locals()`` at the start of its ``__init__``: the pure-bf16 options
+        (:data:`OPTION_NAMES`), ``config``, ``stage`` and the bucket sizes are read here, the rest (``**kwargs``
+        merged in) goes to Lightning's ``__init__``.
+        """
+        deepspeed = {k: v for k, v in arguments.items() if k not in ("self", "__class__", "kwargs")}
+        deepspeed.update(arguments.get("kwargs", {}))
+        options = {name: deepspeed.pop(name) for name in OPTION_NAMES}
+        config, stage, timeout = deepspeed.pop("config"), deepspeed.pop("stage"), deepspeed.pop("timeout")
+        buckets = {name: deepspeed.pop(name) for name in ("reduce_bucket_size", "allgather_bucket_size")}
         who = type(self).__name__
         check_zero3_arguments(who, stage, deepspeed)
-        OptimizerOptions(
-            rounding=rounding, seed=seed, backend=backend, moments=moments, compensation=compensation
-        ).check(who)
+        OptimizerOptions(**{k: options[k] for k in ("rounding", "seed", "backend", "moments", "compensation")}).check(
+            who
+        )
         _internals.use_cpu_deepspeed_accelerator_if_no_cuda()
         silence_known_warnings()
         lightning_init(
             stage=3,
-            sub_group_size=sub_group_size,
-            reduce_bucket_size=reduce_bucket_size or GPU_BUCKET,
-            allgather_bucket_size=allgather_bucket_size or GPU_BUCKET,
             config=None,
+            **{name: size or GPU_BUCKET for name, size in buckets.items()},
             **({"timeout": timeout} if timeout is not None else {}),
             **deepspeed,
         )
         self.settings = PureBF16Settings(
-            who=who,
-            strategy_name=self.strategy_name,
-            loaded_config=self._load_config(config),
-            state_storage=state_storage,
-            state_dir=state_dir,
-            rounding=rounding,
-            seed=seed,
-            backend=backend,
-            moments=moments,
-            compensation=compensation,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            gradient_release=gradient_release,
-            gather_cache=gather_cache,
+            who=who, strategy_name=self.strategy_name, loaded_config=self._load_config(config), **buckets, **options
         )
         self.config = self.settings.deepspeed_config(self.config)
 
@@ -892,6 +879,7 @@ def check_zero3_arguments(who: str, stage: int, kwargs: Mapping[str, Any]) -> No
 
 __all__ = [
     "ACCEPTED_PRECISION",
+    "OPTION_NAMES",
     "PRESETS",
     "check_zero3_arguments",
     "PureBF16Settings",

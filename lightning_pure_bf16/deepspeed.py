@@ -77,17 +77,7 @@ def _optimizer_from_config(section: dict[str, Any], params: Any, options: Optimi
     return cls(params, **hp, **options.optimizer_kwargs())
 
 
-OPTION_NAMES = (
-    "rounding",
-    "moments",
-    "compensation",
-    "state_storage",
-    "state_dir",
-    "seed",
-    "backend",
-    "gradient_release",
-    "gather_cache",
-)
+OPTION_NAMES = core.OPTION_NAMES
 
 
 def take_options(who: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -103,14 +93,7 @@ def take_options(who: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     options = {name: kwargs.pop(name, defaults[name].default) for name in OPTION_NAMES}
     options["trust_checkpoint"] = kwargs.pop("trust_checkpoint", False)
     _check_trust(who, options["trust_checkpoint"])
-    core.PureBF16Settings(
-        who=who,
-        strategy_name=who,
-        loaded_config=None,
-        reduce_bucket_size=None,
-        allgather_bucket_size=None,
-        **{name: options[name] for name in OPTION_NAMES},
-    )
+    core.PureBF16Settings(who=who, strategy_name=who, loaded_config=None, **{n: options[n] for n in OPTION_NAMES})
     return options
 
 
@@ -187,21 +170,9 @@ def initialize(
             f'`{WHO}` got both `optimizer` and an `"optimizer"` section in the config; DeepSpeed refuses that too.'
             " Pass one of them."
         )
+    given = locals()
     settings = core.PureBF16Settings(
-        who=WHO,
-        strategy_name=NAME,
-        loaded_config=user,
-        state_storage=state_storage,
-        state_dir=state_dir,
-        rounding=rounding,
-        seed=seed,
-        backend=backend,
-        moments=moments,
-        compensation=compensation,
-        reduce_bucket_size=None,
-        allgather_bucket_size=None,
-        gradient_release=gradient_release,
-        gather_cache=gather_cache,
+        who=WHO, strategy_name=NAME, loaded_config=user, **{name: given[name] for name in OPTION_NAMES}
     )
     full = settings.deepspeed_config({"zero_optimization": {"stage": 3}})
     settings.check_engine_config(full)
