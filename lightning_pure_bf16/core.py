@@ -200,10 +200,10 @@ def on_cpu(accelerator: Any, *, cpu_cls: type, cuda_cls: type, api: str, strateg
     return isinstance(accelerator, cpu_cls)
 
 
-def register_presets(registry: Any, cls: type) -> None:
-    """Register ``cls`` under every preset's name (:data:`PRESETS`) in a Lightning strategy registry; importing the
-    package twice (or reloading it) registers the same class again, harmlessly."""
-    for name, (description, init_params) in PRESETS.items():
+def register_presets(registry: Any, cls: type, presets: dict[str, tuple[str, dict[str, Any]]] = PRESETS) -> None:
+    """Register ``cls`` under every preset's name (``presets``: name -> (description, arguments)) in a Lightning
+    strategy registry; importing the package twice (or reloading it) registers the same class again, harmlessly."""
+    for name, (description, init_params) in presets.items():
         registry.register(name, cls, description=description, override=True, **init_params)
 
 

@@ -138,8 +138,7 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (description, init_params) in PRESETS.items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+        core.register_presets(strategy_registry, cls, PRESETS)
 
     @property
     def optimizer_options(self) -> OptimizerOptions:
