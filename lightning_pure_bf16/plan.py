@@ -42,20 +42,7 @@ SUB_GROUP_SIZE = 1_000_000_000
 # `benchmarks/peak_memory.py --upstream-step`). DeepSpeed bf16 mixed: 6 (that bf16 copy, then its float32 conversion,
 # in `_prepare_fp32_grad_for_sub_group`).
 STEP_TRANSIENT_BYTES = {
-    "pure_bf16_stochastic": 0.0,
-    "pure_bf16_kahan": 0.0,
-    "pure_bf16_int8": 0.0,
-    "pure_bf16_int8_kahan": 0.0,
-    "pure_bf16_mmap": 0.0,
-    "pure_bf16_kahan_mmap": 0.0,
-    "pure_bf16_release": 0.0,
-    "pure_bf16_kahan_release": 0.0,
-    "pure_bf16_int8_release": 0.0,
-    "pure_bf16_int8_kahan_release": 0.0,
-    "pure_bf16_mmap_release": 0.0,
-    "pure_bf16_kahan_mmap_release": 0.0,
-    "pure_bf16_int8_mmap_release": 0.0,
-    "pure_bf16_int8_kahan_mmap_release": 0.0,
+    **{config: 0.0 for config in MODEL_STATE_BYTES if config.startswith("pure_bf16")},
     "deepspeed_bf16_master": 1.88,
     "deepspeed_bf16_mixed": 6.0,
 }
