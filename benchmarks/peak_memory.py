@@ -110,7 +110,7 @@ def worker(arm: str, d: int, out: Path, config: dict, upstream_step: bool, layer
         from lightning_pure_bf16 import _internals, collectives
 
         _internals.view_sub_group_gradients = lambda zero_optimizer: None
-        collectives.gradient_norm_in_pieces = lambda zero_optimizer: None
+        collectives.gradient_norm_in_one_pass = lambda zero_optimizer: None
     import torch
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything

@@ -1,7 +1,6 @@
-"""Bounded temporaries on the CPU: DeepSpeed's gloo all-gather and reduce-scatter, and ZeRO-3's gradient norm, in
-pieces. The results are the same elements (the norm: the same up to the order of its float64 additions); the
-temporaries no longer grow with the layer. What they replace of DeepSpeed's is reached through
-:mod:`lightning_pure_bf16._internals`."""
+"""DeepSpeed's gloo all-gather and reduce-scatter in pieces (bounded temporaries on the CPU: the same elements,
+reduced in the same order), and ZeRO-3's gradient norm in one pass over the gradient (no float64 copy of it). What
+they replace of DeepSpeed's is reached through :mod:`lightning_pure_bf16._internals`."""
 
 from __future__ import annotations
 
@@ -111,52 +110,56 @@ def bounded_gloo_collectives() -> None:
     _internals.wrap_deepspeed_collectives(all_gather_in_pieces, reduce_scatter_in_pieces)
 
 
-# Elements per piece of the gradient norm: its float64 temporary is at most 32 MiB, whatever the model's size.
-NORM_PIECE = 1 << 22
+# Elements per row of a gradient norm: a row's squares are summed in float32 inside torch's reduction (within a few
+# float32 roundings for a row this short), the rows' norms combined in float64.
+NORM_ROW = 1024
 
 
-def gradient_norm_in_pieces(zero_optimizer: Any) -> None:
-    """Let ZeRO-3's gradient norm read each gradient partition in pieces of at most :data:`NORM_PIECE` elements.
+def gradient_norm(t: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of ``t`` (float64, on its device), in one pass that reads each element once: no float copy of it.
 
-    ``get_grad_norm_direct`` casts each gradient partition to the norm's dtype (float64 where the device has it)
-    before taking its norm: a temporary of 8 bytes per element of the largest partition at the peak of the step (the
-    token embedding's is a third of GPT-2's parameters). The sum of the squared norms of the pieces is the squared
-    norm of the whole, and DeepSpeed's own function sums the pieces as it sums the parameters (each piece is
-    attributed to its parameter, so the model-parallel and expert-parallel rules are unchanged): the norm is the
-    same up to the order of the float64 additions, and the temporary is bounded by the piece. Wrapped on this
-    optimizer instance only.
+    Rows of :data:`NORM_ROW` elements are reduced in float32 as torch reads them (a float32 norm of a bf16 tensor
+    converts each element inside the reduction), and the rows' norms combined in float64. An inf or NaN anywhere makes
+    the result inf or NaN, as does a row whose squares pass float32's range (elements beyond about 1e17): that
+    gradient counts as non-finite, as under torch's and FSDP2's ``clip_grad_norm_``.
+    """
+    flat = t.reshape(-1)
+    whole = flat.numel() // NORM_ROW * NORM_ROW
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
+    if whole < flat.numel():
+        rows = torch.cat([rows, torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1)])
+    return torch.linalg.vector_norm(rows, dtype=torch.float64)
+
+
+def gradient_norm_in_one_pass(zero_optimizer: Any) -> None:
+    """Let ZeRO-3's 2-norm of the gradient read each gradient partition once, in the gradient's own dtype.
+
+    ``get_grad_norm_direct`` casts each gradient partition to float64 before taking its norm: a copy of 8 bytes per
+    element: the norm moves 18 bytes per element (bf16 read, float64 written and read again), more than the optimizer's
+    update of the same elements (14); here each element is read once (2 bytes). Each gradient is handed to it as a
+    one-element float64 tensor holding its norm (:func:`gradient_norm`), attributed to its own parameter: DeepSpeed's
+    own function still sums them under its model-parallel and expert-parallel rules, and reduces over the ranks.
+    Other norms (``inf``) take DeepSpeed's path. Wrapped on this optimizer instance only.
     """
 
-    def in_pieces(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def in_one_pass(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def norm(gradients: list[torch.Tensor], params: list[Any], norm_type: float = 2) -> torch.Tensor:
-            pieces, owners = [], []
-            for g, p in zip(gradients, params):
-                parts = g.reshape(-1).split(NORM_PIECE) if g.numel() > NORM_PIECE else (g,)
-                pieces.extend(parts)
-                owners.extend([p] * len(parts))
-            return original(pieces, owners, norm_type)
+            if float(norm_type) != 2.0:
+                return original(gradients, params, norm_type)
+            return original([gradient_norm(g).reshape(1) for g in gradients], params, norm_type)
 
         return norm
 
-    _internals.wrap_zero3_grad_norm(zero_optimizer, in_pieces)
-
-
-def squared_norm_in_pieces(t: torch.Tensor) -> torch.Tensor:
-    """The squared 2-norm of ``t`` (float64, on its device), summed from pieces of :data:`NORM_PIECE` elements: no
-    full-size float64 temporary."""
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for piece in t.reshape(-1).split(NORM_PIECE):
-        total += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
-    return total
+    _internals.wrap_zero3_grad_norm(zero_optimizer, in_one_pass)
 
 
 def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
-    """The 2-norm of the gradient over every rank's partition (float32), as ZeRO-3 computes it for clipping: summed
-    in float64 from pieces of :data:`NORM_PIECE` elements (no full-size temporary)."""
+    """The 2-norm of the gradient over every rank's partition (float32), as ZeRO-3 computes it for clipping
+    (:func:`gradient_norm`)."""
     import torch.distributed as dist
 
     grads = _internals.zero3_grad_partition_buffer(zero_optimizer)
-    total = squared_norm_in_pieces(grads) if grads is not None else torch.zeros((), dtype=torch.float64)
+    total = gradient_norm(grads).square() if grads is not None else torch.zeros((), dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
     return total.sqrt().float()
@@ -164,11 +167,11 @@ def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
 
 __all__ = [
     "COLLECTIVE_PIECE",
-    "NORM_PIECE",
+    "NORM_ROW",
     "all_gather_in_pieces",
     "bounded_gloo_collectives",
-    "gradient_norm_in_pieces",
+    "gradient_norm_in_one_pass",
     "reduce_scatter_in_pieces",
-    "squared_norm_in_pieces",
+    "gradient_norm",
     "zero3_grad_norm",
 ]

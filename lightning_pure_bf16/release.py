@@ -112,7 +112,7 @@ class GradientRelease:
             grad = grad.reshape(-1)[:numel] if data else grad.new_zeros(0)
             poisoned = param.ds_id in nonfinite
             if not poisoned:
-                self._sum_sq += collectives.squared_norm_in_pieces(grad)
+                self._sum_sq += collectives.gradient_norm(grad).square()
             self._apply_range(sub_group, offset, numel, grad, poisoned)
 
     def _apply_range(self, sub_group: int, offset: int, numel: int, grad: torch.Tensor, poisoned: bool) -> None:

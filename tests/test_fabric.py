@@ -81,7 +81,7 @@ RUN = {
     "accumulate": 2,
     "nan_rank": 0,
     "nan_step": 2,
-    "norm_piece": 1000,
+    "norm_row": 1000,
 }
 
 

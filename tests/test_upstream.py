@@ -209,42 +209,47 @@ def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
     assert _private_upstream_imports(probe) == ["probe.py:2 lightning.fabric.utilities.data._update_dataloader"]
 
 
-def test_the_gradient_norm_reads_each_partition_in_pieces_and_gives_the_same_norm(monkeypatch):
-    # ZeRO-3 casts each gradient partition to float64 before its norm: a full-size temporary. Wrapped, it sees pieces
-    # of at most NORM_PIECE elements, each attributed to its own parameter, and the norm is the same.
+def test_the_gradient_norm_reads_each_gradient_once_and_gives_deepspeeds_norm(monkeypatch):
+    # ZeRO-3 casts each gradient partition to float64 before its norm: a copy of the gradient. Wrapped, its function
+    # sees each gradient as one float64 element (its norm), attributed to its own parameter, and the norm is the same.
     import torch
 
-    monkeypatch.setattr(collectives, "NORM_PIECE", 100)
+    monkeypatch.setattr(collectives, "NORM_ROW", 100)
     calls = []
 
     class ZeroOptimizer:
         def get_grad_norm_direct(self, gradients, params, norm_type=2):
             calls.append((gradients, params))
-            return torch.stack([g.to(torch.float64).norm(norm_type) for g in gradients]).pow(norm_type).sum().sqrt()
+            norms = torch.stack([g.to(torch.float64).norm(norm_type) for g in gradients])
+            return norms.pow(norm_type).sum().pow(1 / norm_type)
 
     grads = [torch.randn(250, dtype=torch.bfloat16), torch.randn(7, 3, dtype=torch.bfloat16)]
     params = ["big", "small"]
     zero = ZeroOptimizer()
     expected = zero.get_grad_norm_direct(grads, params)
-    collectives.gradient_norm_in_pieces(zero)
+    collectives.gradient_norm_in_one_pass(zero)
     got = zero.get_grad_norm_direct(grads, params)
-    pieces, owners = calls[-1]
-    assert [p.numel() for p in pieces] == [100, 100, 50, 21]
-    assert owners == ["big", "big", "big", "small"]
-    assert all(p.untyped_storage().data_ptr() == grads[0].untyped_storage().data_ptr() for p in pieces[:3])  # views
-    assert torch.allclose(got, expected, rtol=1e-12, atol=0)
+    seen, owners = calls[-1]
+    assert [(t.dtype, t.numel()) for t in seen] == [(torch.float64, 1)] * 2 and owners == params
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0)
+    zero.get_grad_norm_direct(grads, params, float("inf"))
+    assert calls[-1][0] is grads  # another norm: DeepSpeed's own path
+    grads[1][2, 1] = float("nan")
+    assert zero.get_grad_norm_direct(grads, params).isnan()
+    # Squares past float32's range count as non-finite, as under torch's clip_grad_norm_.
+    assert collectives.gradient_norm(torch.full((4,), 1e20, dtype=torch.bfloat16)).isinf()
 
 
-def test_the_norm_for_fabric_clipping_reads_the_partition_in_pieces(monkeypatch):
+def test_the_norm_for_fabric_clipping_reads_the_partition_once(monkeypatch):
     import torch
 
-    monkeypatch.setattr(collectives, "NORM_PIECE", 64)
+    monkeypatch.setattr(collectives, "NORM_ROW", 64)
     buffer = torch.randn(1000, dtype=torch.bfloat16)
     seen = []
     real_norm = torch.linalg.vector_norm
 
     def recorded(x, *args, **kwargs):
-        seen.append(x.numel())
+        seen.append((x.numel(), x.dtype, kwargs.get("dtype")))
         return real_norm(x, *args, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "vector_norm", recorded)
@@ -253,7 +258,12 @@ def test_the_norm_for_fabric_clipping_reads_the_partition_in_pieces(monkeypatch)
         grad_partitions_flat_buffer = buffer
 
     norm = collectives.zero3_grad_norm(ZeroOptimizer())
-    assert max(seen) == 64 and sum(seen) == 1000
+    # The partition read once, in rows and the rest (then the rows' 16 norms combined in float64).
+    assert seen == [
+        (960, torch.bfloat16, torch.float32),
+        (40, torch.bfloat16, torch.float32),
+        (16, torch.float32, torch.float64),
+    ]
     assert torch.allclose(norm, buffer.double().norm().float(), rtol=1e-6)
 
 
