@@ -380,8 +380,9 @@ def test_update_slice_refuses_what_it_cannot_do(tmp_path):
 
 class _Stage3Construction:
     """The steps of ZeRO-3's ``_setup_for_real_optimizer`` that :func:`_internals._without_gradient_buffers` acts on,
-    in upstream's order (the fingerprints in ``_internals.COPIED_UPSTREAM`` hold that order to the installed DeepSpeed):
-    the zero gradient of ``initialize_optimizer_states``, then the flat gradient partition on ``self.device``."""
+    in upstream's order (the fingerprints in ``tests/upstream_names.COPIED_UPSTREAM`` hold that order to the installed
+    DeepSpeed): the zero gradient of ``initialize_optimizer_states``, then the flat gradient partition on
+    ``self.device``."""
 
     def __init__(self, offload: bool = False) -> None:
         self.device, self.offload_optimizer, self.swap_optimizer = "cpu", offload, False

@@ -1,9 +1,9 @@
 """Every private DeepSpeed, Lightning and torch name the package relies on, checked against the installed versions.
 
-The names and copied upstream code are listed once, in ``lightning_pure_bf16/_internals.py``; these tests check each
-entry. An upgrade that renames or removes one of them, or changes code the package copies, fails here naming it,
-instead of silently turning a feature off (a memory report of 0 bytes, a skipped step never logged, a warning filter
-that no longer matches).
+The names and the copied upstream code are listed once, in ``tests/upstream_names.py`` (the access itself is all in
+``lightning_pure_bf16/_internals.py``); these tests check each entry. An upgrade that renames or removes one of them,
+or changes code the package copies, fails here naming it, instead of silently turning a feature off (a memory report
+of 0 bytes, a skipped step never logged, a warning filter that no longer matches).
 """
 
 import ast
@@ -15,15 +15,8 @@ import pytest
 import torch
 
 from lightning_pure_bf16 import _internals, collectives
-from lightning_pure_bf16._internals import (
-    COPIED_UPSTREAM,
-    OPTIONAL_OWNERS,
-    PRIVATE_NAMES,
-    UpstreamChanged,
-    resolve,
-    source_fingerprint,
-    undecorated,
-)
+from lightning_pure_bf16._internals import UpstreamChanged, resolve
+from tests.upstream_names import COPIED_UPSTREAM, OPTIONAL_OWNERS, PRIVATE_NAMES, source_fingerprint, undecorated
 
 PACKAGE = pathlib.Path(_internals.__file__).parent
 
@@ -56,7 +49,7 @@ def test_copied_upstream_code_is_unchanged(target):
     fingerprint = source_fingerprint(target)
     assert fingerprint in entry["tested"].values(), (
         f"{target} changed upstream (fingerprint {fingerprint}, tested: {entry['tested']}). Review {entry['ours']}"
-        " against the new code, then add the fingerprint to _internals.COPIED_UPSTREAM."
+        " against the new code, then add the fingerprint to tests/upstream_names.py's COPIED_UPSTREAM."
     )
 
 
