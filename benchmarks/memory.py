@@ -21,10 +21,14 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from _results import write_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"))
+from _inspect import reachable_tensors  # noqa: E402
 from torch import nn
 
 RESULTS = Path(__file__).parent / "results"
@@ -102,6 +106,37 @@ def _worker(rank: int, world: int, port: int, names: list[str], width: int, dept
     deepspeed.comm.destroy_process_group()
 
 
+def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
+    """The dtype of every model-state category of a ZeRO-3 optimizer on this rank (``"int8, bfloat16"`` for an 8-bit
+    moment and its scales), as ``lightning_pure_bf16.memory.zero3_model_state_report`` counts them."""
+    from lightning_pure_bf16._internals import (
+        zero3_grad_partition_buffer,
+        zero3_inner_optimizer,
+        zero3_master_partitions,
+        zero3_param_partitions,
+    )
+    from lightning_pure_bf16.memory import CATEGORIES, STATE_CATEGORY
+
+    found: dict[str, set[str]] = {"param": set(), "grad": set(), "master": set()}
+    params = zero3_param_partitions(zero_optimizer)
+    found["param"] = {str(t.dtype).removeprefix("torch.") for t in params}
+    grad = zero3_grad_partition_buffer(zero_optimizer)
+    if grad is not None and grad.numel():  # empty under gradient release
+        found["grad"] = {str(grad.dtype).removeprefix("torch.")}
+    ptrs = {t.data_ptr() for t in params}
+    found["master"] = {
+        str(t.dtype).removeprefix("torch.") for t in zero3_master_partitions(zero_optimizer) if t.data_ptr() not in ptrs
+    }
+    for state in zero3_inner_optimizer(zero_optimizer).state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                category = STATE_CATEGORY.get(key, key)
+                found.setdefault(category if category in CATEGORIES else "other_state", set()).add(
+                    str(value.dtype).removeprefix("torch.")
+                )
+    return {k: ", ".join(sorted(v)) for k, v in found.items() if v}
+
+
 def _measure_config(rank: int, name: str, width: int, depth: int, device: str, state_dir: str) -> dict:
     import argparse as ap
 
@@ -111,12 +146,7 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
     from lightning_pure_bf16._internals import alias_bf16_master_partitions
     from lightning_pure_bf16.config import pure_bf16_deepspeed_config
     from lightning_pure_bf16.core import init_zero3_optimizer_state
-    from lightning_pure_bf16.memory import (
-        is_file_backed,
-        reachable_tensors,
-        zero3_model_state_report,
-        zero3_state_dtypes,
-    )
+    from lightning_pure_bf16.memory import is_file_backed, zero3_model_state_report
 
     before = 0
     if device == "cuda":

@@ -65,7 +65,7 @@ FROZEN_BYTES = 2
 
 
 # Optimizer state keys counted with another category: an 8-bit moment's block scales belong to the moment.
-_STATE_CATEGORY = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}
+STATE_CATEGORY = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}
 
 
 def bytes_per_param(config: str) -> float:
@@ -120,7 +120,7 @@ def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None
                 if is_file_backed(value):
                     in_files += _nbytes(value)
                 else:
-                    category = _STATE_CATEGORY.get(key, key)
+                    category = STATE_CATEGORY.get(key, key)
                     nbytes[category if category in nbytes else "other_state"] += _nbytes(value)
     frozen = [p.ds_tensor for p in (module.parameters() if module is not None else ()) if not p.requires_grad]
     return _per_parameter(nbytes, n, in_files, frozen)
@@ -170,33 +170,10 @@ def sharded_model_state_report(
                 nbytes["grad"] += shard.numel() * shard.element_size()
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    category = _STATE_CATEGORY.get(key, key)
+                    category = STATE_CATEGORY.get(key, key)
                     nbytes[category if category in nbytes else "other_state"] += _nbytes(local(value))
     frozen = [local(p) for p in (module.parameters() if module is not None else ()) if id(p) not in trainable]
     return _per_parameter(nbytes, n, 0, frozen)
-
-
-def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
-    """The dtype of every model-state category of a ZeRO-3 optimizer on this rank (``"int8, bfloat16"`` for an 8-bit
-    moment and its scales), as :func:`zero3_model_state_report` counts them."""
-    found: dict[str, set[str]] = {"param": set(), "grad": set(), "master": set()}
-    params = zero3_param_partitions(zero_optimizer)
-    found["param"] = {str(t.dtype).removeprefix("torch.") for t in params}
-    grad = zero3_grad_partition_buffer(zero_optimizer)
-    if grad is not None and grad.numel():  # empty under gradient release
-        found["grad"] = {str(grad.dtype).removeprefix("torch.")}
-    ptrs = {t.data_ptr() for t in params}
-    found["master"] = {
-        str(t.dtype).removeprefix("torch.") for t in zero3_master_partitions(zero_optimizer) if t.data_ptr() not in ptrs
-    }
-    for state in zero3_inner_optimizer(zero_optimizer).state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0:
-                category = _STATE_CATEGORY.get(key, key)
-                found.setdefault(category if category in CATEGORIES else "other_state", set()).add(
-                    str(value.dtype).removeprefix("torch.")
-                )
-    return {k: ", ".join(sorted(v)) for k, v in found.items() if v}
 
 
 def _proc_status_bytes(key: str) -> int | None:
@@ -330,43 +307,9 @@ def format_report(report: dict[str, float]) -> str:
     return line
 
 
-def reachable_tensors(obj: Any, prefix: str = "", *, max_depth: int = 6) -> list[tuple[str, torch.Tensor]]:
-    """Every distinct tensor storage reachable through the attributes, dicts and lists of ``obj``.
-
-    Follows objects from DeepSpeed, torch.optim and this package only. An independent count of what a ZeRO optimizer
-    holds, for tests and benchmarks.
-    """
-    seen: set[int] = set()
-    found: list[tuple[str, torch.Tensor]] = []
-
-    def walk(o: Any, path: str, depth: int) -> None:
-        if depth > max_depth:
-            return
-        if isinstance(o, torch.Tensor):
-            storage = o.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                found.append((path, o))
-            return
-        if isinstance(o, dict):
-            items = [(k if isinstance(k, (str, int)) else type(k).__name__, v) for k, v in o.items()]
-        elif isinstance(o, (list, tuple)):
-            items = list(enumerate(o))
-        elif hasattr(o, "__dict__") and type(o).__module__.startswith(
-            ("deepspeed", "lightning_pure_bf16", "torch.optim")
-        ):
-            items = list(vars(o).items())
-        else:
-            return
-        for k, v in items:
-            walk(v, f"{path}.{k}" if path else str(k), depth + 1)
-
-    walk(obj, prefix, 0)
-    return found
-
-
 __all__ = [
     "CATEGORIES",
+    "STATE_CATEGORY",
     "FROZEN_BYTES",
     "MODEL_STATE_BYTES",
     "STATE_FILE_BYTES",
@@ -376,7 +319,5 @@ __all__ = [
     "format_report",
     "is_file_backed",
     "peak_report",
-    "reachable_tensors",
     "zero3_model_state_report",
-    "zero3_state_dtypes",
 ]

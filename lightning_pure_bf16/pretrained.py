@@ -37,6 +37,7 @@ from lightning_pure_bf16.shards import (
     map_keys,
     plan_shards,
     read_config,
+    rename,
     save_sharded,
 )
 
@@ -113,13 +114,6 @@ def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.ds_shape) if hasattr(tensor, "ds_id") else tuple(tensor.shape)
 
 
-def _rename(name: str, key_map: Mapping[str, str] | None) -> str:
-    for old, new in (key_map or {}).items():
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
-
-
 def _flat_range(sl, shape: tuple[int, ...], start: int, stop: int, prefix: tuple = ()) -> Iterator[torch.Tensor]:
     """Elements ``[start, stop)`` of the flattened tensor ``sl[prefix]`` of ``shape``, as 1-D pieces: whole rows where
     the range covers them, the two ends' partial rows read by recursion, so nothing outside the range is read."""
@@ -188,7 +182,7 @@ def load_pretrained(
         by_tensor.setdefault(id(tensor), []).append(name)
     renamed: dict[str, str] = {}
     for name in files:
-        new = _rename(name, key_map)
+        new = rename(name, key_map)
         if new in renamed:
             raise PretrainedError(f"The key map {dict(key_map or {})} gives {renamed[new]!r} and {name!r} one name.")
         renamed[new] = name

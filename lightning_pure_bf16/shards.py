@@ -42,8 +42,6 @@ DTYPE_NAMES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
@@ -143,18 +141,22 @@ def parse_size(size: int | str) -> int:
     return value
 
 
+def rename(name: str, key_map: Mapping[str, str] | None) -> str:
+    """Rename by prefix: the first ``old`` prefix of ``key_map`` ``name`` starts with becomes ``new`` (``{"model.":
+    ""}`` drops a LightningModule's attribute name). A name that starts with none stays as it is."""
+    for old, new in (key_map or {}).items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def map_keys(sources: Sequence[TensorSource], key_map: Mapping[str, str] | None) -> list[TensorSource]:
-    """Rename by prefix: the first ``old`` prefix of ``key_map`` a name starts with becomes ``new`` (``{"model.":
-    ""}`` drops a LightningModule's attribute name). Names that start with none stay as they are."""
+    """Each source renamed (:func:`rename`), refusing a name lost or given twice."""
     if not key_map:
         return list(sources)
     out, seen = [], {}
     for source in sources:
-        name = source.name
-        for old, new in key_map.items():
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
+        name = rename(source.name, key_map)
         if not name:
             raise ValueError(f"The key map {dict(key_map)} leaves {source.name!r} without a name.")
         if name in seen:
@@ -275,14 +277,13 @@ def _move_weights_into(staged: Path, output: Path, prefix: str, *, sharded: bool
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
-    "SAFE_WEIGHTS_INDEX_NAME",
-    "SAFE_WEIGHTS_NAME",
     "TensorSource",
     "check_new_directory",
     "map_keys",
     "parse_size",
     "plan_shards",
     "read_config",
+    "rename",
     "save_sharded",
     "write_safetensors",
 ]

@@ -30,7 +30,6 @@ import torch
 QBLOCK = 128
 M_LEVELS = 127
 V_LEVELS = 255
-RESIDUAL_UNITS_PER_ULP = 256
 _TWO_M24 = 2.0**-24
 
 
@@ -166,7 +165,6 @@ def decode_residual(codes: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "M_LEVELS",
     "QBLOCK",
-    "RESIDUAL_UNITS_PER_ULP",
     "V_LEVELS",
     "bf16_ceil",
     "block_scales",

@@ -157,7 +157,7 @@ def resolve_backend(backend: str, p: torch.Tensor, grad: torch.Tensor, *, name: 
     if p.dtype != torch.bfloat16 or backend == "torch":
         return "torch"
     if backend == "triton":
-        if not _triton_can_run(p):
+        if not (p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             raise RuntimeError(
                 f"`backend='triton'` needs CUDA tensors (got a tensor on {p.device}); use `backend='torch'` or set"
                 " TRITON_INTERPRET=1 before importing to run the kernel on the CPU."
@@ -190,10 +190,6 @@ def _triton_update() -> Callable[..., None]:
     from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
 
     return adamw_update_triton_
-
-
-def _triton_can_run(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:

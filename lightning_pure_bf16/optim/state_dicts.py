@@ -116,13 +116,7 @@ def dequantized(optimizer: AdamW, p: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def state_dict(optimizer: AdamW) -> dict[str, Any]:
-    """The torch state dict plus the rounding seed, the stream counter and the skipped-step count.
-
-    With DTensor parameters (FSDP2, tensor parallelism) every state tensor with one element per parameter element
-    is a DTensor sharded like its parameter, so ``torch.distributed.checkpoint`` saves and reshards it; the 8-bit
-    moments' block scales are given once per element for that (only in the state dict: in memory a block of 128
-    elements has one), and the seed and counters are repeated in every parameter group, which
-    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps (it drops other top-level keys)."""
+    """:meth:`AdamW.state_dict` (see there)."""
     optimizer._storage.check_kept(type(optimizer).__name__, "save")
     optimizer.wait_for_state_writes()
     sd = Optimizer.state_dict(optimizer)
@@ -141,15 +135,7 @@ def state_dict(optimizer: AdamW) -> dict[str, Any]:
 
 
 def load_state_dict(optimizer: AdamW, state_dict: dict[str, Any]) -> None:
-    """Load a state dict from :meth:`AdamW.state_dict`; restores the seed, so the run continues bit for bit.
-
-    States saved with either ``state_storage`` load into either: with ``"mmap"`` the saved moments are copied
-    into fresh state files (checked against the parameters first) instead of being moved to the device. A state
-    dict of ``torch.optim.AdamW``/``Adam`` loads too: its moments are rounded to the parameters' dtype, each
-    tensor gets a fresh noise stream, and this optimizer's seed and ``rounding`` stay.
-
-    Load-state-dict pre-hooks see the whole state dict; post-hooks see the restored seed and counters.
-    """
+    """:meth:`AdamW.load_state_dict` (see there)."""
     optimizer.wait_for_state_writes()  # a write still running must not land over the loaded states
     loaded: dict[str, Any] = {}
 

@@ -28,8 +28,10 @@ def worker(rank: int, out: Path, opts: dict) -> None:
 
 def one_run(rank: int, out: Path, opts: dict) -> None:
     # The package in the ranks only: the launching process stays light.
+    from _inspect import reachable_tensors
+
     import lightning_pure_bf16.deepspeed as pure_bf16
-    from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+    from lightning_pure_bf16.memory import is_file_backed
 
     torch.manual_seed(0)
     model = MLP(opts.get("hidden", 64))

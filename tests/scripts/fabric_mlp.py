@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _inspect import reachable_tensors
 from _models import MLP, data, param_groups, partitions
 from _runs import run_all
 from lightning.fabric import Fabric
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import lightning_pure_bf16
 import lightning_pure_bf16.collectives
-from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+from lightning_pure_bf16.memory import is_file_backed
 
 
 def record_clipping() -> list:

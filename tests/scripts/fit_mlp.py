@@ -22,6 +22,7 @@ except ImportError:
     from tests.scripts._models import MLP as Layers
     from tests.scripts._models import data, param_groups, partitions
     from tests.scripts._runs import run_all
+from _inspect import reachable_tensors
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader
 
 import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy
-from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+from lightning_pure_bf16.memory import is_file_backed
 
 
 class SaveAtStart(Callback):

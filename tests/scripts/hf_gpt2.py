@@ -68,8 +68,10 @@ def dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
 
 
 def engine_state(engine, rank: int) -> dict:
+    from _inspect import reachable_tensors
+
     from lightning_pure_bf16 import _internals
-    from lightning_pure_bf16.memory import is_file_backed, reachable_tensors
+    from lightning_pure_bf16.memory import is_file_backed
 
     zero = engine.optimizer
     inner = _internals.zero3_inner_optimizer(zero)
