@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 try:  # run as a script (this folder on the path), or imported as tests.scripts.fit_mlp by a test
+    from _inspect import reachable_tensors
     from _models import MLP as Layers
     from _models import data, param_groups, partitions
     from _runs import run_all
 except ImportError:
+    from tests.scripts._inspect import reachable_tensors
     from tests.scripts._models import MLP as Layers
     from tests.scripts._models import data, param_groups, partitions
     from tests.scripts._runs import run_all
-from _inspect import reachable_tensors
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
