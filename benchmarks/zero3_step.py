@@ -8,6 +8,7 @@ backward, not in the step) and the same optimizer stepping as many elements outs
 
     python benchmarks/zero3_step.py            # 24 layers of 640 x 640 (9.8M parameters), 10 steps
     python benchmarks/zero3_step.py --quick    # 4 layers of 256 x 256, 4 steps
+    python benchmarks/zero3_step.py --layers 4 --width 4096 --out benchmarks/results/zero3_step_wide  # 67M
 """
 
 from __future__ import annotations
@@ -100,7 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     rows.append({"part": "ZeRO-3's step, in all", "ms": round(step, 2)})
     rows.append({"part": "the last gradient reduction (in the backward)", "ms": round(ms(times[epilogue]), 2)})
     rows.append({"part": "the same AdamW on as many elements, outside ZeRO-3", "ms": round(ms(samples), 2)})
-    command = "python benchmarks/zero3_step.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/zero3_step.py" + (
+        " --quick"
+        if args.quick
+        else "".join(
+            f" --{name} {value}"
+            for name, value, default in (
+                ("layers", args.layers, 24),
+                ("width", args.width, 640),
+                ("steps", args.steps, 10),
+            )
+            if value != default
+        )
+    )
     lines = [
         f"# ZeRO-3's optimizer step with this package's AdamW: {elements:,} parameters, 1 CPU rank",
         "",

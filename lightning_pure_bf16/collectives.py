@@ -110,36 +110,40 @@ def bounded_gloo_collectives() -> None:
     _internals.wrap_deepspeed_collectives(all_gather_in_pieces, reduce_scatter_in_pieces)
 
 
-# Elements per row of a gradient norm: a row's squares are summed in float32 inside torch's reduction (within a few
-# float32 roundings for a row this short), the rows' norms combined in float64.
+# A gradient norm reads the gradient in pieces of NORM_PIECE elements, each converted to float32 by torch before it is
+# reduced (a temporary of 4 MiB, which stays in the cache, whatever the model's size), each reduced in rows of
+# NORM_ROW elements whose squares are summed in float32 (within a few float32 roundings for a row this short), the
+# rows' norms combined in float64.
+NORM_PIECE = 1 << 20
 NORM_ROW = 1024
 
 
 def gradient_norm(t: torch.Tensor) -> torch.Tensor:
-    """The 2-norm of ``t`` (float64, on its device), in one pass that reads each element once: no float copy of it.
+    """The 2-norm of ``t`` (float64, on its device), reading each element once, with a bounded temporary
+    (:data:`NORM_PIECE`, :data:`NORM_ROW`).
 
-    Rows of :data:`NORM_ROW` elements are reduced in float32 as torch reads them (a float32 norm of a bf16 tensor
-    converts each element inside the reduction), and the rows' norms combined in float64. An inf or NaN anywhere makes
-    the result inf or NaN, as does a row whose squares pass float32's range (elements beyond about 1e17): that
-    gradient counts as non-finite, as under torch's and FSDP2's ``clip_grad_norm_``.
+    An inf or NaN anywhere makes the result inf or NaN, as does a row whose squares pass float32's range (elements
+    beyond about 1e17): that gradient counts as non-finite, as under torch's and FSDP2's ``clip_grad_norm_``.
     """
-    flat = t.reshape(-1)
-    whole = flat.numel() // NORM_ROW * NORM_ROW
-    rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
-    if whole < flat.numel():
-        rows = torch.cat([rows, torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1)])
-    return torch.linalg.vector_norm(rows, dtype=torch.float64)
+    norms = [torch.zeros(0, dtype=torch.float32, device=t.device)]
+    for piece in t.reshape(-1).split(NORM_PIECE):
+        whole = piece.numel() // NORM_ROW * NORM_ROW
+        norms.append(torch.linalg.vector_norm(piece[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32))
+        if whole < piece.numel():
+            norms.append(torch.linalg.vector_norm(piece[whole:], dtype=torch.float32).reshape(1))
+    return torch.linalg.vector_norm(torch.cat(norms), dtype=torch.float64)
 
 
 def gradient_norm_in_one_pass(zero_optimizer: Any) -> None:
-    """Let ZeRO-3's 2-norm of the gradient read each gradient partition once, in the gradient's own dtype.
+    """Let ZeRO-3's 2-norm of the gradient read each gradient partition once, with a bounded temporary.
 
     ``get_grad_norm_direct`` casts each gradient partition to float64 before taking its norm: a copy of 8 bytes per
-    element: the norm moves 18 bytes per element (bf16 read, float64 written and read again), more than the optimizer's
-    update of the same elements (14); here each element is read once (2 bytes). Each gradient is handed to it as a
-    one-element float64 tensor holding its norm (:func:`gradient_norm`), attributed to its own parameter: DeepSpeed's
-    own function still sums them under its model-parallel and expert-parallel rules, and reduces over the ranks.
-    Other norms (``inf``) take DeepSpeed's path. Wrapped on this optimizer instance only.
+    element, so the norm moves 18 bytes per element (bf16 read, float64 written and read again), more than the
+    optimizer's update of the same elements (14). Here each gradient is read once, through float32 pieces of 4 MiB
+    small enough to stay in the cache (:func:`gradient_norm`), and handed to DeepSpeed's function as a one-element
+    float64 tensor holding its norm, attributed to its own parameter: DeepSpeed's function still sums them under its
+    model-parallel and expert-parallel rules, and reduces over the ranks. Other norms (``inf``) take DeepSpeed's path.
+    Wrapped on this optimizer instance only.
     """
 
     def in_one_pass(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -167,6 +171,7 @@ def zero3_grad_norm(zero_optimizer: Any) -> torch.Tensor:
 
 __all__ = [
     "COLLECTIVE_PIECE",
+    "NORM_PIECE",
     "NORM_ROW",
     "all_gather_in_pieces",
     "bounded_gloo_collectives",

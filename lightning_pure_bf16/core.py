@@ -746,9 +746,8 @@ class LightningFrontEnd:
         buckets = {name: deepspeed.pop(name) for name in ("reduce_bucket_size", "allgather_bucket_size")}
         who = type(self).__name__
         check_zero3_arguments(who, stage, deepspeed)
-        OptimizerOptions(**{k: options[k] for k in ("rounding", "seed", "backend", "moments", "compensation")}).check(
-            who
-        )
+        early = ("rounding", "seed", "backend", "moments", "compensation")  # checked before Lightning's __init__
+        OptimizerOptions(**{name: options[name] for name in early}).check(who)
         _internals.use_cpu_deepspeed_accelerator_if_no_cuda()
         silence_known_warnings()
         lightning_init(

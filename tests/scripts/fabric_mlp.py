@@ -107,8 +107,9 @@ def main(out: Path, opts: dict) -> None:
         _record_process_group_at_exit(out)
     clip_seen = record_clipping()
     if opts.get("norm_row"):
-        # Short rows, so that the gradient norms read every partition in several rows and a rest.
+        # Short rows and pieces, so that the gradient norms read every partition in several pieces, rows and a rest.
         lightning_pure_bf16.collectives.NORM_ROW = opts["norm_row"]
+        lightning_pure_bf16.collectives.NORM_PIECE = 4 * opts["norm_row"]
     strategy = opts.get("strategy", "deepspeed_pure_bf16")
     if opts.get("exact"):
         # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every
