@@ -35,6 +35,8 @@ Rounding = Literal["stochastic", "kahan", "nearest"]
 Backend = Literal["auto", "triton", "cpu", "torch"]
 StateStorage = Literal["memory", "mmap"]
 
+# What functional.adamw takes of a param group.
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "rounding")
 # Attributes a copy or an unpickled optimizer keeps, besides torch's defaults, state and param groups.
 _COPIED_ATTRIBUTES = (
     "seed",
@@ -496,7 +498,7 @@ class AdamW(Optimizer):
         run = functools.partial(
             functional.adamw,
             step=step,
-            **_hyperparameters(group),
+            **{k: group[k] for k in _GROUP_KEYS},
             seed=seed,
             stream=state["stream"],
             backend=backend,
@@ -569,11 +571,6 @@ def register_construction_hook(hook: Callable[[AdamW], None]) -> RemovableHandle
     handle = RemovableHandle(_construction_hooks)
     _construction_hooks[handle.id] = hook
     return handle
-
-
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """What :func:`functional.adamw` takes of a param group."""
-    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "rounding")}
 
 
 class Adam(AdamW):
