@@ -125,8 +125,8 @@ def gradient_norm(t: torch.Tensor) -> torch.Tensor:
     An inf or NaN anywhere makes the result inf or NaN, as does a row whose squares pass float32's range (elements
     beyond about 1e17): that gradient counts as non-finite, as under torch's and FSDP2's ``clip_grad_norm_``.
     """
-    norms = [torch.zeros(0, dtype=torch.float32, device=t.device)]
-    for piece in t.reshape(-1).split(NORM_PIECE):
+    norms = []
+    for piece in t.reshape(-1).split(NORM_PIECE):  # an empty tensor is one empty piece
         whole = piece.numel() // NORM_ROW * NORM_ROW
         norms.append(torch.linalg.vector_norm(piece[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32))
         if whole < piece.numel():
