@@ -1,15 +1,15 @@
 """What the Triton AdamW kernel uses on CUDA GPUs, per specialisation, compiled ahead of time without a GPU.
 
 Every specialisation the optimizer can launch: each rounding, Adam (L2) and AdamW (decoupled), bf16 and float32
-gradients, 32- and 64-bit sizes and offsets, pointers aligned to 16 bytes (vector loads) or not; for sm_80 (A100)
-and sm_90 (H100/H200). Compiled with Triton's own ``triton.compile`` and a CUDA ``GPUTarget`` (the ``ptxas`` in the
-triton wheel); registers and local memory (spills) read from the cubin with the wheel's ``cuobjdump``, and the SASS
-instructions it disassembles counted per element (the kernel has no loop: each thread runs its elements unrolled, so
-the instructions of one pass over the kernel, less ``NOP`` padding and the closing self-branch, divided by the
-elements per thread), and those a thread executes on the common path (``executed_instructions``: the listing also
-holds the slow paths of the correctly rounded division and square root). For the default configurations the report
-sets the time the executed instructions take at a device's issue rate beside the time the kernel's bytes take at its
-memory bandwidth: the larger bounds the step.
+gradients, 32- and 64-bit sizes and offsets, aligned (pointers and size multiples of 16 bytes: vector loads; an index
+offset that is a multiple of 8) or not; for sm_80 (A100) and sm_90 (H100/H200). Compiled with Triton's own
+``triton.compile`` and a CUDA ``GPUTarget`` (the ``ptxas`` in the triton wheel); registers and local memory (spills)
+read from the cubin with the wheel's ``cuobjdump``, and the SASS instructions it disassembles counted per element (the
+kernel has no loop: each thread runs its elements unrolled, so the instructions of one pass over the kernel, less
+``NOP`` padding and the closing self-branch, divided by the elements per thread), and those a thread executes on the
+common path (``executed_instructions``: the listing also holds the slow paths of the correctly rounded division and
+square root). For the default configurations the report sets the time the executed instructions take at a device's issue
+rate beside the time the kernel's bytes take at its memory bandwidth: the larger bounds the step.
 
     python benchmarks/kernel_resources.py            # both architectures, every specialisation
     python benchmarks/kernel_resources.py --quick    # sm_90 only
@@ -72,7 +72,7 @@ def _signature(grad: str, ints: str, q8m: bool = False, c8: bool = False) -> dic
         "c_ptr": "*i8" if c8 else "*bf16",
         "n_elements": ints,
         **dict.fromkeys(SCALARS, "fp32"),
-        **dict.fromkeys(("key_p", "key_m", "key_v"), "i32"),
+        **dict.fromkeys(("word_p", "word_m", "word_v"), "i32"),
         "index_offset": ints,
     }
 
@@ -99,7 +99,7 @@ def _usage(cubin: bytes) -> tuple[int | None, int | None, int | None, int | None
 
 def _listing(sass: str) -> list[tuple[str, str, str, str]]:
     """The instructions of a ``cuobjdump -sass`` listing: (address, predicate, opcode, operands) each."""
-    return re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    return re.findall(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", sass)
 
 
 def sass_instructions(sass: str) -> int:
@@ -197,6 +197,8 @@ def compile_all(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
                 "DECOUPLED": decoupled,
                 "Q8M": False,
                 "C8": False,
+                # The launcher's INDEX8 (an index offset that is a multiple of 8) goes with the aligned builds.
+                "INDEX8": aligned,
                 "BLOCK": adamw_triton.BLOCK_SIZE,
             }
             signature = {**_signature(grad, ints), **dict.fromkeys(constants, "constexpr")}
@@ -235,6 +237,7 @@ def compile_q8(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
             "DECOUPLED": decoupled,
             "Q8M": q8m,
             "C8": c8,
+            "INDEX8": True,  # 8-bit moments' offsets are multiples of QBLOCK
             "BLOCK": adamw_triton.BLOCK_SIZE,
         }
         signature = {**_signature("bf16", ints, q8m, c8), **dict.fromkeys(constants, "constexpr")}
@@ -266,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock-ghz", type=float, default=None, help="the SM clock of the prediction (default 1.755)")
     args = parser.parse_args(argv)
     rows = compile_all((90,) if args.quick else ARCHS, corners=args.corners)
+    for r in rows:
+        if r["executed_per_element"] is not None:
+            nbytes = bytes_per_element(r["grad"], r["rounding"])
+            times = {d: predicted(r["executed_per_element"], nbytes, d, clock_ghz=args.clock_ghz) for d in DEVICES}
+            r["bound"] = {d: "memory" if memory >= issue else "issue" for d, (issue, memory) in times.items()}
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -287,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## The default configurations on sm_90: instructions against bytes",
         "",
-        "AdamW (decoupled weight decay), bf16 gradient, 32-bit sizes, aligned pointers: what the strategies launch. The"
+        "AdamW (decoupled weight decay), bf16 gradient, 32-bit sizes, aligned (pointers, size, index offset): what the"
+        " strategies launch. The"
         " time of one update of 2^24 elements at the issue rate, for the instructions executed (132 SMs x 4 warp"
         f" instructions per clock at {args.clock_ghz or 1.755} GHz, an assumed sustained clock; `DEVICES` in the"
         " script), beside the time its bytes take at the memory bandwidth (H100 SXM 3.35 TB/s, H200 SXM 4.8 TB/s, as"

@@ -165,16 +165,19 @@ def test_each_state_formats_launched_and_widest_builds_compile_for_hopper_withou
         if build["sass"] is not None:  # the wheel's cuobjdump disassembled it: instructions counted per element
             assert build["sass_per_element"] > 10, build
         if build["local_bytes"] is not None:
-            assert build["local_bytes"] == 0 and build["registers"] <= 128, build
+            # No spills; what the strategies launch keeps 6 blocks of 64 threads on an SM (16 elements in flight per
+            # thread: more bytes than Hopper's memory latency needs), every build fits the 255 registers of a thread.
+            assert build["local_bytes"] == 0 and build["registers"] <= (168 if build["aligned"] else 255), build
         assert (build["vector_loads"] > 0) == build["aligned"], build
-    # The instructions a thread executes per element in what the strategies launch (AdamW, bf16 gradient, 32-bit
-    # sizes, aligned): at most what an H100 issues in the time its memory moves the update's bytes
-    # (benchmarks/results/kernel_resources.md).
-    launched = ("decoupled", "bf16", "i32", True)
-    executed = {
-        b["rounding"]: b["executed_per_element"]
+    # What the strategies launch (AdamW, bf16 gradient, 32-bit sizes, aligned): at most 110 SASS instructions per
+    # element with stochastic rounding and 125 with Kahan's, and the instructions a thread executes no more than an
+    # H100 or an H200 issues in the time its memory moves the update's bytes (benchmarks/results/kernel_resources.md).
+    launched = {
+        b["rounding"]: b
         for b in builds
-        if (b["weight_decay"], b["grad"], b["ints"], b["aligned"]) == launched
+        if (b["weight_decay"], b["grad"], b["ints"], b["aligned"]) == ("decoupled", "bf16", "i32", True)
     }
-    if executed["stochastic"] is not None:
-        assert executed["stochastic"] <= 110 and executed["kahan"] <= 125, executed
+    if launched["stochastic"]["sass"] is not None:
+        assert launched["stochastic"]["sass_per_element"] <= 110 and launched["kahan"]["sass_per_element"] <= 125
+        for rounding in ("nearest", "stochastic", "kahan"):
+            assert set(launched[rounding]["bound"].values()) == {"memory"}, launched[rounding]

@@ -16,9 +16,11 @@ import triton.language as tl
 from lightning_pure_bf16.ops import quant, rng
 from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, intercepts_operations
 
-# 1024 elements per program: 4 warps x 32 lanes x 8 elements, 16-byte bf16 vectors per lane on the GPU.
+# 1024 elements per program: 2 warps x 32 lanes x 16 elements, two 16-byte bf16 vectors per lane and buffer on the
+# GPU. Sixteen elements a thread rather than eight: the per-thread setup and the slow paths of the correctly rounded
+# division and square root (one copy per kernel) are shared by twice the elements (benchmarks/kernel_resources.md).
 BLOCK_SIZE = 1024
-NUM_WARPS = 4
+NUM_WARPS = 2
 
 _MUL1: tl.constexpr = tl.constexpr(rng.MIX_MUL1)
 _MUL2: tl.constexpr = tl.constexpr(rng.MIX_MUL2)
@@ -51,8 +53,8 @@ def _round_with_bits(x, r):
 
 
 @triton.jit
-def _stochastic_round_sum(a, b, key, hi, folded):
-    return _stochastic_round_sum_bits(a, b, _random_word(key, hi, folded))
+def _stochastic_round_sum(a, b, word, folded):
+    return _stochastic_round_sum_bits(a, b, _random_word(word, folded))
 
 
 @triton.jit
@@ -63,18 +65,30 @@ def _stochastic_round_sum_bits(a, b, r):
     s = a + b
     bb = s - a
     e = (a - (s - bb)) + (b - bb)
+    # The same operations as the PyTorch path on the magnitude, written on the signed pattern sb: a finite magnitude
+    # never carries into or borrows from the sign bit (a sum that rounds to zero is exactly zero, so it has no error).
     sb = s.to(tl.uint32, bitcast=True)
-    mag = sb & 0x7FFFFFFF
     err = (e.to(tl.uint32, bitcast=True) ^ (sb & 0x80000000)).to(tl.float32, bitcast=True)
     toward = tl.where(err < 0.0, -1, 1).to(tl.uint32)
-    spacing = tl.abs((mag + toward).to(tl.float32, bitcast=True) - mag.to(tl.float32, bitcast=True))
-    u = (mag << 16) + r
+    spacing = tl.abs((sb + toward).to(tl.float32, bitcast=True) - s)
+    u = (sb << 16) + r
     u_signed = u.to(tl.int32, bitcast=True)
     below = (err * 65536.0 < -u_signed.to(tl.float32) * spacing).to(tl.int32)
-    carry = (u < r).to(tl.int32) + (u_signed < 0).to(tl.int32) - below
-    kept = (mag >> 16).to(tl.int32)
-    out = tl.where(mag < 0x7F800000, kept + carry, kept | tl.where(mag > 0x7F800000, 0x40, 0))
-    return (out.to(tl.uint32) | ((sb >> 16) & 0x8000)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    # The kept bits plus the carry out of u's sum, (kept << 16 | D) + (r >> 16) >> 16: r's low half cannot carry.
+    up = ((sb + (r >> 16)) >> 16).to(tl.int32)
+    kept = (sb >> 16).to(tl.int32)
+    # inf stays inf and NaN stays NaN (quiet), whatever the random bits.
+    finite = up + (u_signed < 0).to(tl.int32) - below
+    out = tl.where(tl.abs(s) < float("inf"), finite, kept | tl.where(s != s, 0x40, 0))
+    return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _widen(x):
+    # bf16 -> float32 as the bit pattern shifted up: one instruction per element on the GPU.
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -121,11 +135,11 @@ _QBLOCK: tl.constexpr = tl.constexpr(quant.QBLOCK)
 
 
 @triton.jit
-def _random_word(key, hi, folded):
+def _random_word(word, folded):
     # rng.element_bits: mix32(lo ^ block key). Its first step, x ^ (x >> SHIFT1), distributes over the xor, so it is
-    # taken on the index once per element (``folded``, shared by every stream) and on the block key once per program.
-    block = _mix32(key.to(tl.uint32) ^ hi)
-    x = folded ^ (block ^ (block >> _SHIFT1))
+    # taken on the index once per element (``folded``, shared by every stream) and on the block key once per launch,
+    # by the launcher (``word``: see _stream_word).
+    x = folded ^ word.to(tl.uint32, bitcast=True)
     x = x * _MUL1
     x = x ^ (x >> _SHIFT2)
     x = x * _MUL2
@@ -176,7 +190,7 @@ def _residual_unit(p):
 
 
 # ------------------------------------------------------------------------------------------------------- the kernel
-@triton.jit(do_not_specialize=["key_p", "key_m", "key_v", "index_offset"])
+@triton.jit(do_not_specialize=["word_p", "word_m", "word_v", "index_offset"])
 def _adamw_kernel(
     p_ptr,
     g_ptr,
@@ -195,21 +209,23 @@ def _adamw_kernel(
     decay,
     neg_step_size,
     inv_bias_correction2_sqrt,
-    key_p,
-    key_m,
-    key_v,
+    word_p,
+    word_m,
+    word_v,
     index_offset,
     ROUNDING: tl.constexpr,
     DECOUPLED: tl.constexpr,
     Q8M: tl.constexpr,
     C8: tl.constexpr,
+    INDEX8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # One kernel for every state format: Q8M (8-bit moments with block scales) and C8 (an 8-bit Kahan remainder) are
     # compile-time switches; with both off it reads and writes bf16 states only. A tile of BLOCK // QBLOCK scale
     # blocks (rows) of QBLOCK elements. int64 offsets: a ZeRO-3 flat partition can hold more than 2**31 elements.
-    # The launcher splits a piece where the index's high word changes, so the high word is one scalar per launch
-    # (see ops.rng); index_offset is otherwise any non-negative int (a multiple of QBLOCK with 8-bit moments).
+    # The launcher splits a piece where the index's high word changes, so the high word is one per launch and enters
+    # through the stream words (see ops.rng); index_offset is otherwise any non-negative int (a multiple of QBLOCK
+    # with 8-bit moments). INDEX8: it is a multiple of 8, so each run of 8 elements shares its index's high 16 bits.
     NB: tl.constexpr = BLOCK // _QBLOCK
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rows = tl.arange(0, NB)
@@ -217,15 +233,20 @@ def _adamw_kernel(
     offsets = start + local
     mask = offsets < n_elements
     global_start = start + index_offset
-    hi = (global_start >> 32).to(tl.uint32)
-    lo = (global_start + local).to(tl.uint32)
-    folded = lo ^ (lo >> _SHIFT1)  # the first step of every stream's hash of the index (_random_word)
+    # The first step of every stream's hash of the index's low word (_random_word): lo ^ (lo >> 16).
+    if INDEX8:
+        # lo = run + j with run a multiple of 8 and j < 8: the same as run ^ j, and lo >> 16 is run >> 16.
+        run = (global_start + (local & ~7)).to(tl.uint32)
+        folded = (run ^ (run >> _SHIFT1)) ^ (local & 7).to(tl.uint32)
+    else:
+        lo = (global_start + local).to(tl.uint32)
+        folded = lo ^ (lo >> _SHIFT1)
     block_ids = start // _QBLOCK + rows
     block_mask = block_ids * _QBLOCK < n_elements
 
     # Upcast to fp32: every intermediate in bf16 would round.
-    p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    p = _widen(tl.load(p_ptr + offsets, mask=mask, other=0.0))
+    g = _widen(tl.load(g_ptr + offsets, mask=mask, other=0.0))
     if Q8M:
         m_scale = tl.load(ms_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
         v_scale = tl.load(vs_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
@@ -235,8 +256,8 @@ def _adamw_kernel(
         m = tl.where(mk < 0, -m_abs, m_abs)
         v = v_scale * _level(vk.to(tl.float32), 255, 4)
     else:
-        m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        m = _widen(tl.load(m_ptr + offsets, mask=mask, other=0.0))
+        v = _widen(tl.load(v_ptr + offsets, mask=mask, other=0.0))
 
     m, v, delta = _adam_update(
         p,
@@ -262,18 +283,18 @@ def _adamw_kernel(
             p_new = p_out.to(tl.float32)
             t = tl.div_rn((c - (p_new - p)) + delta, _residual_unit(p_new))
             k0 = tl.floor(t)
-            k = k0 + (_uniform24(_random_word(key_p, hi, folded)) < t - k0).to(tl.float32)
+            k = k0 + (_uniform24(_random_word(word_p, folded)) < t - k0).to(tl.float32)
             tl.store(c_ptr + offsets, tl.minimum(tl.maximum(k, -127.0), 127.0).to(tl.int8), mask=mask)
         else:
             c = tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             p_out = _nearest_round(p + (delta + c))
             # The new remainder (old one, less what the write took, plus the update) is written with stochastic
             # rounding of its exact sum: rounded to nearest, an update below half its own spacing would be lost.
-            c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, key_p, hi, folded)
+            c_new = _stochastic_round_sum(c - (p_out.to(tl.float32) - p), delta, word_p, folded)
             tl.store(c_ptr + offsets, c_new, mask=mask)
     elif ROUNDING == _ROUND_STOCHASTIC:
         # SR of the exact p + delta: the fp32 sum would round away an update of 1e-7 of the weight.
-        p_out = _stochastic_round_sum(p, delta, key_p, hi, folded)
+        p_out = _stochastic_round_sum(p, delta, word_p, folded)
     else:
         p_out = _nearest_round(p + delta)
     tl.store(p_ptr + offsets, p_out, mask=mask)
@@ -283,18 +304,26 @@ def _adamw_kernel(
         new_v_scale = _bf16_ceil(tl.max(tl.abs(v), axis=1))
         tl.store(ms_ptr + block_ids, new_m_scale.to(tl.bfloat16), mask=block_mask)
         tl.store(vs_ptr + block_ids, new_v_scale.to(tl.bfloat16), mask=block_mask)
-        mk = _encode(m, new_m_scale[:, None], _random_word(key_m, hi, folded), 127, 2)
+        mk = _encode(m, new_m_scale[:, None], _random_word(word_m, folded), 127, 2)
         tl.store(m_ptr + offsets, tl.where(m < 0, -mk, mk).to(tl.int8), mask=mask)
-        vk = _encode(v, new_v_scale[:, None], _random_word(key_v, hi, folded), 255, 4)
+        vk = _encode(v, new_v_scale[:, None], _random_word(word_v, folded), 255, 4)
         tl.store(v_ptr + offsets, vk.to(tl.uint8), mask=mask)
     elif ROUNDING == _ROUND_NEAREST:
         tl.store(m_ptr + offsets, _nearest_round(m), mask=mask)
         tl.store(v_ptr + offsets, _nearest_round(v), mask=mask)
     else:
         # One word of random bits for both moments: m rounds with its low half, v with its high half.
-        r = _random_word(key_m, hi, folded)
+        r = _random_word(word_m, folded)
         tl.store(m_ptr + offsets, _round_with_bits(m, r & 0xFFFF), mask=mask)
         tl.store(v_ptr + offsets, _round_with_bits(v, r >> 16), mask=mask)
+
+
+def _stream_word(key: int, index_offset: int) -> int:
+    """What the kernel xors into each element's folded index to start its hash: the block key of the launch (the
+    index's high word is one per launch) after the hash's first step, as an int32 (one kernel signature)."""
+    block = rng.block_key(key, index_offset)
+    word = block ^ (block >> rng.MIX_SHIFT1)
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 def adamw_update_triton_(
@@ -392,14 +421,13 @@ def adamw_update_triton_(
             kahan_comp if kahan_comp is not None else param,
             n,
             *args.scalars,
-            args.keys[0],
-            args.keys[1],
-            args.keys[2],
+            *(_stream_word(key, index_offset) for key in args.keys),
             index_offset,
             ROUNDING=_ROUNDING_CODES[args.rounding],
             DECOUPLED=args.decoupled,
             Q8M=q8m,
             C8=c8,
+            INDEX8=index_offset % 8 == 0,
             BLOCK=BLOCK_SIZE,
             num_warps=NUM_WARPS,
             # No fused multiply-add: each product rounded on its own, exactly as the PyTorch and CPU paths do.
