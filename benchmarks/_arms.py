@@ -109,6 +109,10 @@ class Spec:
     lr: float = 1e-4
     device: str = "cpu"
     world_size: int = 2
+    # How every arm computes matrix products on a CPU: "auto" as each ships (this package: float32 where the CPU has
+    # no native bf16 dot products; DeepSpeed and FSDP2: bf16), "float32" every arm from the bf16 values in float32
+    # (this package's Float32Matmul around the others' forward, whose backward follows), "bf16" every arm in bf16.
+    cpu_matmul: str = "auto"
 
     def params(self) -> int:
         """Trainable parameters of the GPT (embeddings, blocks, final norm and head)."""
@@ -286,10 +290,15 @@ def _deepspeed_config(arm: str, spec: Spec) -> dict:
     bf16 = {"enabled": True}
     if arm == "ds_bf16_flags":
         bf16 |= {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    zero = {"stage": 3, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if spec.device == "cpu" and spec.cpu_matmul == "float32":
+        # As this package does for float32 products: ZeRO-3's memory-efficient linear is an autograd function whose
+        # products Float32Matmul does not see; plain F.linear records the casts, so its backward runs in float32 too.
+        zero["memory_efficient_linear"] = False
     return {
         "train_micro_batch_size_per_gpu": spec.batch_size,
         "bf16": bf16,
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
     }
 
@@ -314,7 +323,8 @@ def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         t0 = _now(spec)
-        loss = torch.nn.functional.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
+        with _products(spec):
+            loss = torch.nn.functional.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
         engine.backward(loss)
         t1 = _now(spec)
         engine.step()
@@ -334,10 +344,13 @@ def ours_fabric(arm: str, spec: Spec, state_dir: Path) -> object:
     if options.get("state_storage") == "mmap":
         state_dir.mkdir(parents=True, exist_ok=True)
         options["state_dir"] = str(state_dir)
+    from lightning_pure_bf16 import PureBF16FabricPrecision
+
     fabric = Fabric(
         accelerator=spec.device,
         devices=spec.world_size,
         strategy=DeepSpeedPureBF16FabricStrategy(**options),
+        plugins=[PureBF16FabricPrecision(cpu_matmul=spec.cpu_matmul)],
     )
     fabric.launch()
     return fabric
@@ -403,7 +416,8 @@ def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         t0 = _now(spec)
-        loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        with _products(spec):
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         t1 = _now(spec)
         optimizer.step()
@@ -412,6 +426,16 @@ def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
 
     _loop(spec, device, step, out)
     dist.destroy_process_group()
+
+
+def _products(spec: Spec) -> object:
+    """The forward's context for the DeepSpeed and FSDP2 arms: float32 matrix products under ``cpu_matmul="float32"``
+    on the CPU (their backward follows, as the casts are recorded), else as they ship."""
+    from contextlib import nullcontext
+
+    from lightning_pure_bf16.precision import Float32Matmul
+
+    return Float32Matmul() if spec.device == "cpu" and spec.cpu_matmul == "float32" else nullcontext()
 
 
 def _now(spec: Spec) -> float:

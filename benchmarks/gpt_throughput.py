@@ -11,6 +11,7 @@ the steps after the warm-up.
     python benchmarks/gpt_throughput.py --quick          # CPU: 2 x 128, 5 steps (< 5 min)
     python benchmarks/gpt_throughput.py --device cuda    # GPT-2 124M (12 x 768, 1024 tokens), 30 steps
     python benchmarks/gpt_throughput.py --arms ds_bf16_mixed pure_bf16 pure_bf16_next --rounds 5   # medians, ranges
+    python benchmarks/gpt_throughput.py --cpu-matmul float32   # every arm's products in float32 (a CPU without bf16)
 Writes DIR/gpt_throughput{,_quick}.{csv,md} (DIR: benchmarks/results, or benchmarks/results/gpu on CUDA; --out).
 """
 
@@ -109,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="1b: a GPT of 1.2B parameters (24 x 2048, 1024 tokens), for one GPU (default: GPT-2 124M on CUDA)",
     )
+    parser.add_argument(
+        "--cpu-matmul",
+        choices=("auto", "float32", "bf16"),
+        default="auto",
+        help="matrix products on the CPU: auto, as each arm ships (this package float32 where the CPU has no native"
+        " bf16 dot products, the others bf16); float32 or bf16 for every arm (like with like)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shape = {"n_layer": 4, "n_embd": 640, "n_head": 10, "block_size": 128, "batch_size": 8, "steps": 12}
         shape["warmup"] = 4
-    spec = Spec(**shape, lr=1e-4, device=args.device, world_size=args.world_size)
+    spec = Spec(**shape, lr=1e-4, device=args.device, world_size=args.world_size, cpu_matmul=args.cpu_matmul)
     if args.dry_run:
         print(f"dry run: {spec.params():,} parameters on {args.world_size} {args.device} rank(s), arms {args.arms}")
         return 0
@@ -153,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         f" {spec.batch_size} x {spec.block_size} tokens per rank, {spec.steps} steps of which {spec.warmup} warm-up;"
         f" the same token batches in every arm. Times are medians over the measured steps of the slowest rank; peak"
         f" memory is {where}."
+        + (
+            f" Matrix products: {args.cpu_matmul}, in every arm (from the bf16 values; results rounded to bf16)."
+            if not gpu and args.cpu_matmul != "auto"
+            else ""
+        )
         + (
             f" {args.rounds} rounds, every arm once per round in turn: each figure is the median over the rounds"
             " (tokens/s with its range), the ratio the median of the rounds' ratios (with their range)."
