@@ -31,10 +31,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pure_bf16 import _internals, collectives, core
+from lightning_pure_bf16 import precision as pure_precision  # a module: Lightning's import may begin inside it
 from lightning_pure_bf16.adoption import adopt_for_zero3
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.hf_models import partitioned_construction
-from lightning_pure_bf16.precision import PureBF16FabricPrecision
 
 
 class _EveryBackwardReduces(_internals.fabric_backward_sync_control()):
@@ -104,9 +104,9 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
     # -------------------------------------------------------------------------------------------------- precision
     @property
     @override
-    def precision(self) -> PureBF16FabricPrecision:
-        if not isinstance(self._precision, PureBF16FabricPrecision):
-            self._precision = PureBF16FabricPrecision()
+    def precision(self) -> pure_precision.PureBF16FabricPrecision:
+        if not isinstance(self._precision, pure_precision.PureBF16FabricPrecision):
+            self._precision = pure_precision.PureBF16FabricPrecision()
         return self._precision
 
     @precision.setter
@@ -114,7 +114,7 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
     def precision(self, precision: Precision | None) -> None:
         self._precision = core.translate_precision(
             precision,
-            pure_cls=PureBF16FabricPrecision,
+            pure_cls=pure_precision.PureBF16FabricPrecision,
             flag_classes=(DeepSpeedPrecision, Precision),
             api="Fabric",
             strategy_name=self.strategy_name,

@@ -30,12 +30,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16 import precision as pure_precision  # a module: Lightning's import may begin inside it
 from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.adoption import adopt_for_zero3
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.hf_models import partitioned_construction
 from lightning_pure_bf16.optim.options import STATE_DIR_ENV
-from lightning_pure_bf16.precision import PureBF16Precision
 
 _DEEPSPEED_AVAILABLE = RequirementCache("deepspeed>=0.19.8")
 # Trainer precision flags that mean pure bf16 under this strategy: the default and the explicit one.
@@ -143,9 +143,9 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     # -------------------------------------------------------------------------------------------------- precision
     @property
     @override
-    def precision_plugin(self) -> PureBF16Precision:
+    def precision_plugin(self) -> pure_precision.PureBF16Precision:
         if self._precision_plugin is None:
-            self._precision_plugin = PureBF16Precision()
+            self._precision_plugin = pure_precision.PureBF16Precision()
         return self._precision_plugin
 
     @precision_plugin.setter
@@ -153,7 +153,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = core.translate_precision(
             precision_plugin,
-            pure_cls=PureBF16Precision,
+            pure_cls=pure_precision.PureBF16Precision,
             flag_classes=(DeepSpeedPrecision, Precision),
             api="Trainer",
             strategy_name=self.strategy_name,

@@ -153,8 +153,8 @@ def test_registered_names():
 
 def test_the_package_loads_no_lightning_and_registers_its_strategies_when_lightning_loads():
     # The optimizer, the tools and the DeepSpeed, FSDP2 and Hugging Face front ends run without Lightning. A script that
-    # imports the package first finds the names once Lightning is loaded, whether it imports Lightning next or one of
-    # the package's strategies does (the order Lightning first is this module's).
+    # imports the package first finds the names once Lightning is loaded, whether it imports Lightning next, one of the
+    # package's strategies or its precision module does (the order Lightning first is this module's).
     check = (
         "from lightning.pytorch.strategies import StrategyRegistry as T\n"
         "from lightning.fabric.strategies import STRATEGY_REGISTRY as F\n"
@@ -167,7 +167,12 @@ def test_the_package_loads_no_lightning_and_registers_its_strategies_when_lightn
     first += "assert 'DeepSpeedPureBF16Strategy' in dir(p)\n"
     procs = [
         subprocess.Popen([sys.executable, "-c", first + then + check], stderr=subprocess.PIPE, text=True, env=_env())
-        for then in ("import lightning\n", "from lightning_pure_bf16 import DeepSpeedPureBF16Strategy\n")
+        for then in (
+            "import lightning\n",
+            "from lightning_pure_bf16 import DeepSpeedPureBF16Strategy\n",
+            # Lightning's import starting inside the precision plugins' module, which the strategies import.
+            "from lightning_pure_bf16.precision import Float32Matmul\n",
+        )
     ]
     for proc in procs:
         _, err = proc.communicate(timeout=300)
