@@ -53,22 +53,47 @@ def cpu_has_native_bf16() -> bool:
     return any(bool(capabilities.get(name, False)) for name in _NATIVE_BF16)
 
 
-def _up(value: Any) -> Any:
-    return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
-
-
 class Float32Matmul(TorchFunctionMode):
-    """Within this mode, matrix products of bf16 tensors are computed in float32 and their results rounded to bf16."""
+    """Within this mode, matrix products of bf16 tensors are computed in float32 and their results rounded to bf16.
+
+    What a product saves for its backward is the bf16 tensor a float32 copy was made from, widened again when the
+    backward needs it (the same float32 values, so the same gradients): a float32 copy of every weight and input held
+    from the forward to the backward would double their memory, the weights' for the whole model.
+    """
 
     @override
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _MATMUL_FUNCTIONS and any(
+        if func not in _MATMUL_FUNCTIONS or not any(
             isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in (*args, *kwargs.values())
         ):
-            out = func(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
-            return out.to(torch.bfloat16)
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        widened: dict[int, torch.Tensor] = {}  # the float32 copies' storage -> their bf16 sources
+
+        def up(value: Any) -> Any:
+            if not (isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16):
+                return value
+            wide = value.float()
+            if wide.numel():
+                widened[wide.untyped_storage().data_ptr()] = value
+            return wide
+
+        def pack(t: torch.Tensor) -> Any:
+            # A copy or a view of one (a product saves the transposed weight): its bf16 source itself, not a copy (a
+            # ZeRO-3 or FSDP2 parameter is gathered again for the backward), and where the view sits in the copy.
+            source = widened.get(t.untyped_storage().data_ptr()) if t.dtype == torch.float32 and t.numel() else None
+            return t if source is None else (source, t.size(), t.stride(), t.storage_offset())
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            source, size, stride, offset = packed
+            return source.float().as_strided(size, stride, offset)
+
+        wide_args, wide_kwargs = [up(a) for a in args], {k: up(v) for k, v in kwargs.items()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = func(*wide_args, **wide_kwargs)
+        return out.to(torch.bfloat16)
 
 
 def to_bf16_keeping_metrics(module: torch.nn.Module) -> torch.nn.Module:

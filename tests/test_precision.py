@@ -1,5 +1,7 @@
 """PureBF16Precision: matrix products in float32 from bf16 values on CPUs without native bf16 (bf16 storage kept)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,29 @@ def test_float32_products_equal_float32_arithmetic_rounded_to_bf16_forward_and_b
     # The backward products ran in float32 too: the gradients are float32 ones rounded once, to bf16.
     assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, x32.grad.bfloat16())
     assert torch.equal(w.grad, w32.grad.bfloat16())
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident memory from /proc")
+def test_float32_products_hold_no_float32_copy_from_the_forward_to_the_backward():
+    # A product saves the bf16 tensors it widened, widened again in the backward: a float32 copy of the weight kept
+    # for the backward would hold twice the weight's bytes (in a fit, of every weight of the model). 128 MiB copies:
+    # allocations this large are mapped and unmapped on their own, so the resident memory shows them.
+    w = torch.randn(8192, 4096, dtype=torch.bfloat16).requires_grad_()
+    x = torch.randn(4, 4096, dtype=torch.bfloat16).requires_grad_()
+    before = _resident_bytes()
+    with _plugin("float32").forward_context():
+        y = F.linear(x, w)
+    held = _resident_bytes() - before
+    assert held < 32 * 2**20, f"{held / 2**20:.0f} MiB held for the backward"
+    y.float().sum().backward()
+    # The backward widened the weight again (the equality of its gradients with float32 ones: the test above).
+    assert w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(w.grad[0].float(), x.detach().float().sum(0), rtol=2**-7, atol=0.0)
 
 
 def test_other_functions_and_float32_tensors_pass_through():
