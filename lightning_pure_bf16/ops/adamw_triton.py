@@ -35,17 +35,6 @@ _ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2}
 
 
 @triton.jit
-def _mix32(x):
-    # uint32 arithmetic wraps modulo 2**32, which is what rng.mix32 specifies.
-    x = x ^ (x >> _SHIFT1)
-    x = x * _MUL1
-    x = x ^ (x >> _SHIFT2)
-    x = x * _MUL2
-    x = x ^ (x >> _SHIFT3)
-    return x
-
-
-@triton.jit
 def _round_with_bits(x, r):
     # r: 16 random bits (uint32 below 2**16), added below the 16 bits bf16 keeps.
     b = x.to(tl.uint32, bitcast=True) + r
@@ -138,7 +127,7 @@ _QBLOCK: tl.constexpr = tl.constexpr(quant.QBLOCK)
 def _random_word(word, folded):
     # rng.element_bits: mix32(lo ^ block key). Its first step, x ^ (x >> SHIFT1), distributes over the xor, so it is
     # taken on the index once per element (``folded``, shared by every stream) and on the block key once per launch,
-    # by the launcher (``word``: see _stream_word).
+    # by the launcher (``word``: see _stream_word). uint32 arithmetic wraps modulo 2**32, as rng.mix32 specifies.
     x = folded ^ word.to(tl.uint32, bitcast=True)
     x = x * _MUL1
     x = x ^ (x >> _SHIFT2)
