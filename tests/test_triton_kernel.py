@@ -166,8 +166,8 @@ def test_each_state_formats_launched_and_widest_builds_compile_for_hopper_withou
             assert build["sass_per_element"] > 10, build
         if build["local_bytes"] is not None:
             # No spills; what the strategies launch keeps 6 blocks of 64 threads on an SM (16 elements in flight per
-            # thread: more bytes than Hopper's memory latency needs), every build fits the 255 registers of a thread.
-            assert build["local_bytes"] == 0 and build["registers"] <= (168 if build["aligned"] else 255), build
+            # thread: more bytes than Hopper's memory latency needs).
+            assert build["local_bytes"] == 0 and (build["registers"] <= 168 or not build["aligned"]), build
         assert (build["vector_loads"] > 0) == build["aligned"], build
     # What the strategies launch (AdamW, bf16 gradient, 32-bit sizes, aligned): at most 110 SASS instructions per
     # element with stochastic rounding and 125 with Kahan's, and the instructions a thread executes no more than an
