@@ -35,6 +35,7 @@ budget (so that a search never takes the machine down).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -113,6 +114,11 @@ class Spec:
     # no native bf16 dot products; DeepSpeed and FSDP2: bf16), "float32" every arm from the bf16 values in float32
     # (this package's Float32Matmul around the others' forward, whose backward follows), "bf16" every arm in bf16.
     cpu_matmul: str = "auto"
+
+    @property
+    def float32_products(self) -> bool:
+        """Whether every arm computes its matrix products in float32 (``cpu_matmul="float32"`` on the CPU)."""
+        return self.device == "cpu" and self.cpu_matmul == "float32"
 
     def params(self) -> int:
         """Trainable parameters of the GPT (embeddings, blocks, final norm and head)."""
@@ -291,7 +297,7 @@ def _deepspeed_config(arm: str, spec: Spec) -> dict:
     if arm == "ds_bf16_flags":
         bf16 |= {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     zero = {"stage": 3, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
-    if spec.device == "cpu" and spec.cpu_matmul == "float32":
+    if spec.float32_products:
         # As this package does for float32 products: ZeRO-3's memory-efficient linear is an autograd function whose
         # products Float32Matmul does not see; plain F.linear records the casts, so its backward runs in float32 too.
         zero["memory_efficient_linear"] = False
@@ -428,6 +434,27 @@ def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
     dist.destroy_process_group()
 
 
+CPU_MATMUL = ("auto", "float32", "bf16")
+
+
+def add_cpu_matmul_option(parser: argparse.ArgumentParser) -> None:
+    """The scripts' ``--cpu-matmul`` (:attr:`Spec.cpu_matmul`)."""
+    parser.add_argument(
+        "--cpu-matmul",
+        choices=CPU_MATMUL,
+        default="auto",
+        help="matrix products on the CPU: auto, as each arm ships (this package float32 where the CPU has no native"
+        " bf16 dot products, the others bf16); float32 or bf16 for every arm (like with like)",
+    )
+
+
+def cpu_matmul_sentence(device: str, cpu_matmul: str) -> str:
+    """What a report says of ``--cpu-matmul`` (nothing where each arm computes its products as it ships)."""
+    if device != "cpu" or cpu_matmul == "auto":
+        return ""
+    return f" Matrix products: {cpu_matmul}, in every arm (from the bf16 values; results rounded to bf16)."
+
+
 def _products(spec: Spec) -> object:
     """The forward's context for the DeepSpeed and FSDP2 arms: float32 matrix products under ``cpu_matmul="float32"``
     on the CPU (their backward follows, as the casts are recorded), else as they ship."""
@@ -435,7 +462,7 @@ def _products(spec: Spec) -> object:
 
     from lightning_pure_bf16.precision import Float32Matmul
 
-    return Float32Matmul() if spec.device == "cpu" and spec.cpu_matmul == "float32" else nullcontext()
+    return Float32Matmul() if spec.float32_products else nullcontext()
 
 
 def _now(spec: Spec) -> float:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arms import ARMS, REFERENCE, Spec, launch, missing_peer  # noqa: E402
+from _arms import ARMS, REFERENCE, Spec, add_cpu_matmul_option, cpu_matmul_sentence, launch, missing_peer  # noqa: E402
 from _results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -110,13 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="1b: a GPT of 1.2B parameters (24 x 2048, 1024 tokens), for one GPU (default: GPT-2 124M on CUDA)",
     )
-    parser.add_argument(
-        "--cpu-matmul",
-        choices=("auto", "float32", "bf16"),
-        default="auto",
-        help="matrix products on the CPU: auto, as each arm ships (this package float32 where the CPU has no native"
-        " bf16 dot products, the others bf16); float32 or bf16 for every arm (like with like)",
-    )
+    add_cpu_matmul_option(parser)
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
@@ -161,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {spec.batch_size} x {spec.block_size} tokens per rank, {spec.steps} steps of which {spec.warmup} warm-up;"
         f" the same token batches in every arm. Times are medians over the measured steps of the slowest rank; peak"
         f" memory is {where}."
-        + (
-            f" Matrix products: {args.cpu_matmul}, in every arm (from the bf16 values; results rounded to bf16)."
-            if not gpu and args.cpu_matmul != "auto"
-            else ""
-        )
+        + cpu_matmul_sentence(args.device, args.cpu_matmul)
         + (
             f" {args.rounds} rounds, every arm once per round in turn: each figure is the median over the rounds"
             " (tokens/s with its range), the ratio the median of the rounds' ratios (with their range)."

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arms import ARMS, REFERENCE, Spec, launch, missing_peer  # noqa: E402
+from _arms import ARMS, REFERENCE, Spec, add_cpu_matmul_option, cpu_matmul_sentence, launch, missing_peer  # noqa: E402
 from _results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -203,13 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite the table and plot from DIR's CSV (no training)"
     )
-    parser.add_argument(
-        "--cpu-matmul",
-        choices=("auto", "float32", "bf16"),
-        default="auto",
-        help="matrix products on the CPU: auto, as each arm ships (this package float32 where the CPU has no native"
-        " bf16 dot products, the others bf16); float32 or bf16 for every arm (like with like)",
-    )
+    add_cpu_matmul_option(parser)
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     if args.budget_gib is None:
@@ -320,12 +314,7 @@ def write_report(args: argparse.Namespace, argv: list[str] | None, tries: list[d
         f"Command: `{command}`. GPT of `examples/gpt.py`, {args.n_layer} layers, width on a grid of multiples of 128"
         f" (64-wide heads), batch {args.batch_size} x {args.block_size} tokens, 3 optimizer steps per size in fresh"
         f" processes. Memory: {measured} ({where}); a size fits when its 3 steps finished within the budget. Every"
-        " size tried is in the CSV."
-        + (
-            f" Matrix products: {args.cpu_matmul}, in every arm (from the bf16 values; results rounded to bf16)."
-            if args.device == "cpu" and args.cpu_matmul != "auto"
-            else ""
-        ),
+        " size tried is in the CSV." + cpu_matmul_sentence(args.device, args.cpu_matmul),
         "",
         "| arm | largest width | parameters | peak GiB | vs DeepSpeed bf16 mixed | planner's largest |",
         "|---|---:|---:|---:|---:|---:|",
