@@ -17,6 +17,8 @@ from lightning_pure_bf16 import _internals
 # mapped and unmapped, never left in the heap: with 8 MiB pieces a GPT of 4 layers x 2048 peaked 0.29 GiB higher on 2
 # CPU ranks than with whole collectives (the pieces raised the threshold and the heap kept what they freed).
 COLLECTIVE_PIECE = 1 << 25
+# Elements per float32 accumulator of a reduce-scatter's local sum over more than 2 ranks (4 MiB).
+SUM_PIECE = 1 << 20
 
 
 class _Done:
@@ -29,17 +31,17 @@ class _Done:
         return True
 
 
-def _in_pieces(group: Any, *tensors: torch.Tensor) -> bool:
+def _on_gloo(group: Any, *tensors: torch.Tensor) -> bool:
     import torch.distributed as dist
 
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and dist.get_backend(group) == "gloo"
+
+
+def _in_pieces(group: Any, *tensors: torch.Tensor) -> bool:
     # Above two pieces only: a piece is staged in a buffer of its own, so a tensor barely larger than one piece would
     # hold more in pieces (its staging and gloo's copy of the piece) than whole (on 16 layers of 37.7M elements, the
     # step's peak grew by 0.12 bytes per parameter).
-    return (
-        tensors[0].numel() > 2 * COLLECTIVE_PIECE
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-        and dist.get_backend(group) == "gloo"
-    )
+    return tensors[0].numel() > 2 * COLLECTIVE_PIECE and _on_gloo(group, *tensors)
 
 
 def all_gather_in_pieces(gather: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,7 +67,34 @@ def all_gather_in_pieces(gather: Callable[..., Any]) -> Callable[..., Any]:
     return all_gather
 
 
-def reduce_scatter_in_pieces(scatter: Callable[..., Any]) -> Callable[..., Any]:
+def _sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = rows[0] + rows[1] + ...``: two rows added as gloo adds them (in float32, rounded once to ``out``'s
+    dtype: the same bits); more in a float32 accumulator, in rank order, rounded once."""
+    if rows.shape[0] == 2:
+        torch.add(rows[0], rows[1], out=out)
+        return
+    wide = torch.float32 if rows.dtype in (torch.bfloat16, torch.float16) else rows.dtype
+    for start in range(0, rows.shape[1], SUM_PIECE):
+        columns = rows[:, start : start + SUM_PIECE]
+        acc = columns[0].to(wide, copy=True)
+        for row in columns[1:]:
+            acc.add_(row)
+        out[start : start + SUM_PIECE].copy_(acc)
+
+
+def reduce_scatter_by_exchange(scatter: Callable[..., Any]) -> Callable[..., Any]:
+    """A reduce-scatter (sum) under gloo as one all-to-all and a local sum, in pieces of at most
+    :data:`COLLECTIVE_PIECE` elements over the ranks.
+
+    gloo's own ``reduce_scatter_tensor`` passes partial sums around the ring in steps and stages the whole input in
+    temporaries (one and a half inputs, measured); on 2 CPU ranks it took 19-23 ms for 5M bf16 elements where
+    ``all_to_all_single`` of the same elements took 5 and the sum 1 (:mod:`benchmarks.collectives`). Each rank sends
+    every other rank its row of the input, receives theirs, and sums the rows in place of its output: on 2 ranks the
+    same bits as gloo's (one float32 addition rounded once), on more a float32 sum in rank order rounded once (gloo
+    rounds at every step of its ring). Temporaries: the received rows (the input's size up to two pieces, then one
+    piece per rank) and the rows to send of a piece. Other operations, backends, devices, non-contiguous tensors and
+    mismatched sizes take DeepSpeed's own call.
+    """
     import torch.distributed as dist
 
     @functools.wraps(scatter)
@@ -77,19 +106,24 @@ def reduce_scatter_in_pieces(scatter: Callable[..., Any]) -> Callable[..., Any]:
         async_op: bool = False,
     ):
         op = dist.ReduceOp.SUM if op is None else op
-        if not _in_pieces(group, input_tensor, output_tensor):
+        if not _on_gloo(group, input_tensor, output_tensor) or op != dist.ReduceOp.SUM:
             return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world, size = dist.get_world_size(group), output_tensor.numel()
-        if input_tensor.numel() != world * size:
+        if input_tensor.numel() != world * size or input_tensor.dtype != output_tensor.dtype:
             return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        piece = max(1, COLLECTIVE_PIECE // world)
-        staging = torch.empty(world * min(piece, size), dtype=input_tensor.dtype)
         rows, flat_out = input_tensor.view(world, size), output_tensor.reshape(-1)
+        whole = size <= 2 * max(1, COLLECTIVE_PIECE // world)
+        piece = max(1, size) if whole else max(1, COLLECTIVE_PIECE // world)
+        received = torch.empty(world * min(piece, size), dtype=input_tensor.dtype)
+        sending = None if whole else torch.empty_like(received)
         for start in range(0, size, piece):
             n = min(piece, size - start)
-            chunk = staging[: world * n]
-            chunk.view(world, n).copy_(rows[:, start : start + n])
-            scatter(flat_out[start : start + n], chunk, op=op, group=group)
+            send = rows.reshape(-1) if whole else sending[: world * n]
+            if not whole:
+                send.view(world, n).copy_(rows[:, start : start + n])
+            recv = received[: world * n]
+            dist.all_to_all_single(recv, send, group=group)
+            _sum_rows(recv.view(world, n), flat_out[start : start + n])
         return _Done() if async_op else None
 
     return reduce_scatter
@@ -107,7 +141,7 @@ def bounded_gloo_collectives() -> None:
     returned to an ``async_op`` caller: with ``gather_cache="layer"`` this strategy turns ZeRO-3's prefetch off, and
     ZeRO-3 waits on each gather at once. Installed on DeepSpeed's communication backend of this process, once.
     """
-    _internals.wrap_deepspeed_collectives(all_gather_in_pieces, reduce_scatter_in_pieces)
+    _internals.wrap_deepspeed_collectives(all_gather_in_pieces, reduce_scatter_by_exchange)
 
 
 # A gradient norm reads the gradient in pieces of NORM_PIECE elements, each converted to float32 by torch before it is
@@ -173,10 +207,11 @@ __all__ = [
     "COLLECTIVE_PIECE",
     "NORM_PIECE",
     "NORM_ROW",
+    "SUM_PIECE",
     "all_gather_in_pieces",
     "bounded_gloo_collectives",
     "gradient_norm_in_one_pass",
-    "reduce_scatter_in_pieces",
+    "reduce_scatter_by_exchange",
     "gradient_norm",
     "zero3_grad_norm",
 ]

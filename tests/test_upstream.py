@@ -202,6 +202,33 @@ def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
     assert _private_upstream_imports(probe) == ["probe.py:2 lightning.fabric.utilities.data._update_dataloader"]
 
 
+@pytest.mark.parametrize(
+    ("clip", "norm", "scaled"),
+    [(0.0, 8.0, False), (1.0, 0.5, False), (1.0, 4.0, True)],
+    ids=["no clipping", "norm within the clip", "clipped"],
+)
+def test_zero3_scales_the_gradient_only_by_a_factor_other_than_one(clip, norm, scaled):
+    # ZeRO-3's own method on a stand-in holding what it reads: the gradient is multiplied in place (its version
+    # counter moves) only where the factor is not 1.0, and then to DeepSpeed's values.
+    import types
+
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    grad = torch.randn(64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    master = torch.zeros(64, dtype=torch.bfloat16)
+    zero = types.SimpleNamespace(loss_scale=1.0, clip_grad=clip, fp32_partitioned_groups_flat=[master])
+    zero.unscale_and_clip_grads = types.MethodType(DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads, zero)
+    master.grad = expected = grad.clone()
+    zero.unscale_and_clip_grads(0, torch.tensor(norm))
+    master.grad = grad
+    version = grad._version
+    _internals.skip_unit_gradient_scale(zero)
+    zero.unscale_and_clip_grads(0, torch.tensor(norm))
+    assert (grad._version != version) == scaled
+    assert torch.equal(grad, expected)
+
+
 def test_the_gradient_norm_reads_each_gradient_once_and_gives_deepspeeds_norm(monkeypatch):
     # ZeRO-3 casts each gradient partition to float64 before its norm: a copy of the gradient. Wrapped, its function
     # sees each gradient as one float64 element (its norm), attributed to its own parameter, and the norm is the same.
@@ -277,59 +304,72 @@ def test_every_class_a_dcp_metadata_file_may_name_exists(name):
     assert _internals.dcp_metadata_global("os", "system") is None
 
 
-def _collectives_in_pieces(rank, store, out):
+def _gloo_collectives(rank, world, store, out):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    collectives.COLLECTIVE_PIECE = 10  # elements; the tensors below span several pieces and end in a partial one
-    sizes = []
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    collectives.COLLECTIVE_PIECE = 10 * world  # 10 elements per rank; the tensors below span several pieces
+    collectives.SUM_PIECE = 4  # the float32 sums of more than 2 ranks in several pieces, the last partial
+    sizes = {"gather": [], "exchange": []}
 
-    def spy(fn):
+    def spy(key, fn):
         def call(*args, **kwargs):
-            sizes.append(max(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)))
+            sizes[key].append(max(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)))
             return fn(*args, **kwargs)
 
         return call
 
-    gather = collectives.all_gather_in_pieces(spy(dist.all_gather_into_tensor))
-    scatter = collectives.reduce_scatter_in_pieces(spy(dist.reduce_scatter_tensor))
-    g = torch.Generator().manual_seed(rank)
-    part, full = torch.randn(37, generator=g).bfloat16(), torch.randn(74, generator=g).bfloat16()
-    expected_gather, expected_scatter = torch.empty(74, dtype=torch.bfloat16), torch.empty(37, dtype=torch.bfloat16)
+    gather = collectives.all_gather_in_pieces(spy("gather", dist.all_gather_into_tensor))
+    scatter = collectives.reduce_scatter_by_exchange(dist.reduce_scatter_tensor)
+    dist.all_to_all_single = spy("exchange", dist.all_to_all_single)
+    inputs = [torch.randn(world * 37, generator=torch.Generator().manual_seed(r)).bfloat16() for r in range(world)]
+    part, full = inputs[rank][:37], inputs[rank]
+    # Every rank's sum in float32 in rank order, rounded once to bf16 (each rank knows every rank's input).
+    total = torch.stack(inputs).float().sum(0).bfloat16()
+    expected_scatter = total.view(world, 37)[rank]
+    gloo_scatter, expected_gather = torch.empty(37, dtype=torch.bfloat16), torch.empty(world * 37, dtype=torch.bfloat16)
     dist.all_gather_into_tensor(expected_gather, part)
-    dist.reduce_scatter_tensor(expected_scatter, full.clone())
-    gathered, scattered = torch.empty(74, dtype=torch.bfloat16), torch.empty(37, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(gloo_scatter, full.clone())
+    gathered, scattered = torch.empty(world * 37, dtype=torch.bfloat16), torch.empty(37, dtype=torch.bfloat16)
     gather(output_tensor=gathered, input_tensor=part, group=None, async_op=True).wait()
-    scatter(scattered, full.clone(), op=dist.ReduceOp.SUM, group=None, async_op=False)
-    in_pieces = list(sizes)
-    small = torch.empty(8, dtype=torch.bfloat16)
-    gather(output_tensor=small, input_tensor=part[:4], group=None)  # at most one piece: DeepSpeed's own call, whole
+    scatter(scattered, full.clone(), op=dist.ReduceOp.SUM, group=None, async_op=True).wait()
+    in_pieces = {k: list(v) for k, v in sizes.items()}
+    whole = torch.empty(8, dtype=torch.bfloat16)
+    scatter(whole, full[: world * 8].clone(), op=None, group=None)  # at most two pieces: one exchange, whole
+    expected_whole = torch.stack(inputs)[:, : world * 8].float().sum(0).bfloat16()[rank * 8 : rank * 8 + 8]
+    gather(output_tensor=torch.empty(world * 4, dtype=torch.bfloat16), input_tensor=part[:4], group=None)
     torch.save(
         {
             "gather_equal": torch.equal(gathered, expected_gather),
             "scatter_equal": torch.equal(scattered, expected_scatter),
+            "gloo_equal": torch.equal(scattered, gloo_scatter),
+            "whole_equal": torch.equal(whole, expected_whole),
             "in_pieces": in_pieces,
-            "small": sizes[len(in_pieces) :],
+            "whole": {k: v[len(in_pieces[k]) :] for k, v in sizes.items()},
         },
         out / f"rank{rank}.pt",
     )
     dist.destroy_process_group()
 
 
-def test_gloo_collectives_in_pieces_give_the_whole_result(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_collectives_in_pieces_give_the_whole_result(tmp_path, world):
     """gloo stages a whole all-gather/reduce-scatter in temporaries as large as the layer; in pieces, every call to it
-    holds at most one piece per rank, and the result is the same bit for bit (ranks summed in the same order)."""
+    holds at most one piece per rank. The all-gather gives the same bits; the reduce-scatter, an all-to-all and a
+    local sum, gives each rank the sum of the ranks' rows in float32 rounded once: on 2 ranks gloo's own bits."""
     import torch
     import torch.multiprocessing as mp
 
-    mp.start_processes(_collectives_in_pieces, args=(tmp_path / "store", tmp_path), nprocs=2, start_method="fork")
-    for rank in range(2):
+    mp.start_processes(_gloo_collectives, args=(world, tmp_path / "store", tmp_path), nprocs=world, start_method="fork")
+    for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["gather_equal"] and result["scatter_equal"]
-        # 37 elements per rank in pieces of 5 (10 over 2 ranks): 8 calls each, none larger than 2 ranks x 5.
-        assert result["in_pieces"] == [10] * 7 + [4] + [10] * 7 + [4]
-        assert result["small"] == [8]
+        assert result["gather_equal"] and result["scatter_equal"] and result["whole_equal"]
+        assert result["gloo_equal"] or world > 2
+        # 37 elements per rank in pieces of 10 per rank: 4 calls each, none larger than the ranks x 10.
+        in_pieces = [world * 10] * 3 + [world * 7]
+        assert result["in_pieces"] == {"gather": in_pieces, "exchange": in_pieces}
+        assert result["whole"] == {"gather": [world * 4], "exchange": [world * 8]}
 
 
 def test_gloo_collectives_installed_once_on_deepspeeds_backend(monkeypatch):

@@ -365,15 +365,15 @@ def _record_step_gradient_storage() -> list:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     seen = []
-    original = DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads
+    original = DeepSpeedZeroOptimizer_Stage3._optimizer_step
 
-    def recorded(self, sub_group_id, total_norm):
+    def recorded(self, sub_group_id):
         grad = self.fp32_partitioned_groups_flat[sub_group_id].grad
         buffer = self.grad_partitions_flat_buffer
         seen.append(grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
-        return original(self, sub_group_id, total_norm)
+        return original(self, sub_group_id)
 
-    DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads = recorded
+    DeepSpeedZeroOptimizer_Stage3._optimizer_step = recorded
     return seen
 
 
