@@ -24,7 +24,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arms import ARMS, REFERENCE, Spec, add_cpu_matmul_option, cpu_matmul_sentence, launch, missing_peer  # noqa: E402
+from _arms import (  # noqa: E402
+    ARMS,
+    REFERENCE,
+    Spec,
+    add_cpu_matmul_option,
+    cpu_matmul_sentence,
+    cpu_sentence,
+    launch,
+    missing_peer,
+)
 from _results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -155,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {spec.batch_size} x {spec.block_size} tokens per rank, {spec.steps} steps of which {spec.warmup} warm-up;"
         f" the same token batches in every arm. Times are medians over the measured steps of the slowest rank; peak"
         f" memory is {where}."
+        + cpu_sentence(args.device)
         + cpu_matmul_sentence(args.device, args.cpu_matmul)
         + (
             f" {args.rounds} rounds, every arm once per round in turn: each figure is the median over the rounds"

@@ -1,6 +1,7 @@
-"""DeepSpeed's gloo all-gather and reduce-scatter in pieces (bounded temporaries on the CPU: the same elements,
-reduced in the same order), and ZeRO-3's gradient norm in one pass over the gradient (no float64 copy of it). What
-they replace of DeepSpeed's is reached through :mod:`lightning_pure_bf16._internals`."""
+"""DeepSpeed's collectives under gloo: the all-gather in pieces (bounded temporaries on the CPU, the same elements),
+the reduce-scatter as one all-to-all and a local sum (faster than gloo's, with fewer temporaries); and ZeRO-3's
+gradient norm in one pass over the gradient (no float64 copy of it). What they replace of DeepSpeed's is reached
+through :mod:`lightning_pure_bf16._internals`."""
 
 from __future__ import annotations
 
@@ -86,14 +87,14 @@ def reduce_scatter_by_exchange(scatter: Callable[..., Any]) -> Callable[..., Any
     """A reduce-scatter (sum) under gloo as one all-to-all and a local sum, in pieces of at most
     :data:`COLLECTIVE_PIECE` elements over the ranks.
 
-    gloo's own ``reduce_scatter_tensor`` passes partial sums around the ring in steps and stages the whole input in
-    temporaries (one and a half inputs, measured); on 2 CPU ranks it took 19-23 ms for 5M bf16 elements where
-    ``all_to_all_single`` of the same elements took 5 and the sum 1 (:mod:`benchmarks.collectives`). Each rank sends
-    every other rank its row of the input, receives theirs, and sums the rows in place of its output: on 2 ranks the
-    same bits as gloo's (one float32 addition rounded once), on more a float32 sum in rank order rounded once (gloo
-    rounds at every step of its ring). Temporaries: the received rows (the input's size up to two pieces, then one
-    piece per rank) and the rows to send of a piece. Other operations, backends, devices, non-contiguous tensors and
-    mismatched sizes take DeepSpeed's own call.
+    gloo's own ``reduce_scatter_tensor`` stages the whole input in temporaries (one and a half inputs, measured),
+    and is slower: on 2 CPU ranks a bucket of 5M bf16 elements took 17.3 ms there and 7.6 ms here (``python
+    benchmarks/collectives.py``, ``benchmarks/results/collectives.md``). Each rank sends every other rank its row of
+    the input, receives theirs, and sums the rows in place of its output: on 2 ranks the same bits as gloo's (one
+    float32 addition rounded once), on more a float32 sum in rank order rounded once, which may differ from gloo's
+    in the last bit (gloo's own order of partial sums). Temporaries: the received rows (the input's size up to two
+    pieces, then one piece per rank) and the rows to send of a piece. Other operations, backends, devices,
+    non-contiguous tensors and mismatched sizes take DeepSpeed's own call.
     """
     import torch.distributed as dist
 
@@ -130,16 +131,18 @@ def reduce_scatter_by_exchange(scatter: Callable[..., Any]) -> Callable[..., Any
 
 
 def bounded_gloo_collectives() -> None:
-    """Let DeepSpeed's all-gather and reduce-scatter run in pieces of :data:`COLLECTIVE_PIECE` elements under gloo.
+    """Let DeepSpeed's all-gather run in pieces of :data:`COLLECTIVE_PIECE` elements under gloo, and its
+    reduce-scatter by exchange (:func:`reduce_scatter_by_exchange`).
 
     gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` stage the whole tensor in temporaries of their
     own (measured: one output's size for the all-gather, one and a half inputs' for the reduce-scatter), so on the
     CPU every layer ZeRO-3 gathers, and every layer gradient it reduce-scatters, costs one to two more layer-sized
-    buffers at the peak of the backward. Piece by piece (each piece staged in one bounded buffer), the result is the
-    same elements, reduced in the same order of ranks, and the temporaries no longer grow with the layer. Other
-    backends (NCCL), devices and tensors of at most two pieces take DeepSpeed's own call. A finished handle is
-    returned to an ``async_op`` caller: with ``gather_cache="layer"`` this strategy turns ZeRO-3's prefetch off, and
-    ZeRO-3 waits on each gather at once. Installed on DeepSpeed's communication backend of this process, once.
+    buffers at the peak of the backward. Piece by piece (each piece staged in one bounded buffer), the gathered
+    elements are the same and the temporaries no longer grow with the layer; the reduce-scatter by exchange holds at
+    most its input's size below two pieces, and one piece per rank above. Other backends (NCCL), devices, and
+    all-gathers of at most two pieces take DeepSpeed's own call. A finished handle is returned to an ``async_op``
+    caller: with ``gather_cache="layer"`` this strategy turns ZeRO-3's prefetch off, and ZeRO-3 waits on each gather
+    at once. Installed on DeepSpeed's communication backend of this process, once.
     """
     _internals.wrap_deepspeed_collectives(all_gather_in_pieces, reduce_scatter_by_exchange)
 
