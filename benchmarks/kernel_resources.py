@@ -58,6 +58,7 @@ SCALARS = (
     "decay",
     "neg_step_size",
     "inv_bias_correction2_sqrt",
+    "grad_scale",
 )
 
 
@@ -199,6 +200,7 @@ def compile_all(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
                 "C8": False,
                 # The launcher's INDEX8 (an index offset that is a multiple of 8) goes with the aligned builds.
                 "INDEX8": aligned,
+                "SCALE_G": False,  # no clipping factor to fold in (or a factor of 1): no product
                 "BLOCK": adamw_triton.BLOCK_SIZE,
             }
             signature = {**_signature(grad, ints), **dict.fromkeys(constants, "constexpr")}
@@ -238,6 +240,7 @@ def compile_q8(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
             "Q8M": q8m,
             "C8": c8,
             "INDEX8": True,  # 8-bit moments' offsets are multiples of QBLOCK
+            "SCALE_G": False,
             "BLOCK": adamw_triton.BLOCK_SIZE,
         }
         signature = {**_signature("bf16", ints, q8m, c8), **dict.fromkeys(constants, "constexpr")}

@@ -9,6 +9,7 @@ backward, not in the step) and the same optimizer stepping as many elements outs
     python benchmarks/zero3_step.py            # 24 layers of 640 x 640 (9.8M parameters), 10 steps
     python benchmarks/zero3_step.py --quick    # 4 layers of 256 x 256, 4 steps
     python benchmarks/zero3_step.py --layers 4 --width 4096 --out benchmarks/results/zero3_step_wide  # 67M
+    python benchmarks/zero3_step.py --clip 1e-6     # with the gradient clipped (ZeRO-3's gradient_clipping)
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=640)
     parser.add_argument("--steps", type=int, default=10, help="measured steps, after 3 warm-up steps")
+    parser.add_argument(
+        "--clip", type=float, default=0.0, help="clip the gradient's 2-norm to this (default 0: no clipping)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -53,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
-    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}}
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: a norm to clip to is >= 0 (0: no clipping)")
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}, "gradient_clipping": args.clip}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = pure_bf16.initialize(model=model, optimizer=optimizer, config=config)
     times: dict[str, list[float]] = defaultdict(list)
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("layers", args.layers, 24),
                 ("width", args.width, 640),
                 ("steps", args.steps, 10),
+                ("clip", args.clip, 0.0),
             )
             if value != default
         )
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# ZeRO-3's optimizer step with this package's AdamW: {elements:,} parameters, 1 CPU rank",
         "",
         f"Command: `{command}`. {args.layers} linear layers of {args.width} x {args.width}, batch 8; medians over"
-        f" {args.steps} steps after 3 warm-up steps, host time of each part of `engine.step()`.",
+        f" {args.steps} steps after 3 warm-up steps, host time of each part of `engine.step()`"
+        + (f"; the gradient clipped to norm {args.clip:g}." if args.clip else "; no clipping."),
         "",
         "| part | ms per step |",
         "|---|---:|",

@@ -198,27 +198,27 @@ def view_sub_group_gradients(zero_optimizer: Any) -> None:
     zero_optimizer._prepare_fp32_grad_for_sub_group = prepare
 
 
-def skip_unit_gradient_scale(zero_optimizer: Any) -> None:
-    """Skip ZeRO-3's scaling of the gradient partition where its factor is exactly 1.
+def fold_gradient_scale(zero_optimizer: Any, set_scale: Callable[[float], None]) -> None:
+    """Fold ZeRO-3's scaling of the gradient partition into the update that follows it.
 
     Before each sub-group's update ZeRO-3 multiplies its gradient partition in place by ``1 / (loss scale x clip
-    factor)`` (``unscale_and_clip_grads``): a pass over the gradient, 4 bytes per element read and written, beside the
-    update's 14. Under bf16 the loss scale is 1, and the clip factor is 1 without clipping or while the gradient's
-    norm is within the clipping norm, so the pass multiplies by 1.0 and changes no bit. The factor is computed as
-    ZeRO-3 computes it (a tensor, read on the host: the step has already read the norm for its inf/NaN decision); the
-    multiplication runs only where it is not 1.0. Wrapped on this optimizer instance only.
+    factor)`` (``unscale_and_clip_grads``): a pass over the gradient of its own, 4 bytes per element read and written
+    beside the update's 14, made even where the factor is 1 (under bf16 the loss scale is 1, and the clip factor is 1
+    without clipping or while the norm is within the clipping norm). Here the factor is computed as ZeRO-3 computes it
+    and handed to ``set_scale`` (as a float: the step has already read the norm on the host for its inf/NaN
+    decision), and the gradient is left as it is: the update multiplies each element by it in float32, in its own
+    pass (:attr:`lightning_pure_bf16.AdamW.grad_scale`), instead of ZeRO-3 rounding the product to bf16 first.
+    Wrapped on this optimizer instance only.
     """
-    original = _read(zero_optimizer, "unscale_and_clip_grads", "the gradient scaling before the update")
+    _read(zero_optimizer, "unscale_and_clip_grads", "the gradient scaling before the update")
     _read(zero_optimizer, "clip_grad", "the norm ZeRO-3 clips to")
 
-    def unscale_and_clip(sub_group_id: int, total_norm: Any) -> Any:
+    def unscale_and_clip(sub_group_id: int, total_norm: Any) -> None:
         combined_scale = zero_optimizer.loss_scale
         if zero_optimizer.clip_grad > 0.0:
             clip = torch.clamp(((total_norm / combined_scale) + 1e-6) / zero_optimizer.clip_grad, min=1.0)
             combined_scale = clip * combined_scale
-        if float(combined_scale) != 1.0:
-            return original(sub_group_id, total_norm)
-        return None
+        set_scale(float(1.0 / combined_scale))
 
     zero_optimizer.unscale_and_clip_grads = unscale_and_clip
 

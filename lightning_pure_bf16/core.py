@@ -482,11 +482,11 @@ def after_engine_setup(
     gather_cache: str = "auto",
 ) -> EngineRun:
     """Set a new engine up for pure bf16 and return what the package keeps for it (:class:`EngineRun`, also
-    ``engine.pure_bf16``): every sub-group's optimizer state allocated now (a shortage shows at setup), the step given
-    views of the gradient partition instead of copies, no multiplication of it by 1.0 and a gradient norm read in one
-    pass, gradient release if asked (which frees the gradient partition), the next layer gathered ahead with
-    ``gather_cache="next"`` (and, with ``"auto"``, where the first step leaves room for it), and the memory per
-    parameter logged."""
+    ``engine.pure_bf16``): every sub-group's optimizer state allocated now (a shortage shows at setup), the step
+    given views of the gradient partition instead of copies, its clip factor applied inside the update (no pass of
+    its own) and a gradient norm read in one pass, gradient release if asked (which frees the gradient partition),
+    the next layer gathered ahead with ``gather_cache="next"`` (and, with ``"auto"``, where the first step leaves
+    room for it), and the memory per parameter logged."""
     init_zero3_optimizer_state(engine.optimizer)
     _internals.reduce_full_buckets_at_once(engine.optimizer)
     if gather_cache == "next":
@@ -498,7 +498,8 @@ def after_engine_setup(
         release = GradientRelease(engine.optimizer, strategy_name)
     else:
         _internals.view_sub_group_gradients(engine.optimizer)
-        _internals.skip_unit_gradient_scale(engine.optimizer)
+        inner = inner_optimizer(engine)
+        _internals.fold_gradient_scale(engine.optimizer, lambda factor: setattr(inner, "grad_scale", factor))
         collectives.gradient_norm_in_one_pass(engine.optimizer)
     optimizer = inner_optimizer(engine)
     report = memory_report(engine)
@@ -559,6 +560,7 @@ class EngineRun:
         return inner_optimizer(self.engine)
 
     def _after_step(self) -> None:
+        self.optimizer.grad_scale = 1.0  # the clip factor folded into this step's updates, if any
         if self.gather is not None:
             self.gather.after_step()
         skipped = _internals.zero3_step_skipped(self.engine.optimizer)

@@ -44,6 +44,20 @@ def test_fp32_params_match_torch(ours, theirs):
         torch.testing.assert_close(a.double(), b, rtol=tol.rtol, atol=tol.atol)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opt_cls", [AdamW, Adam])
+def test_the_step_leaves_the_gradients_as_they_were(opt_cls, dtype, backend):
+    # As torch.optim's: a float32 gradient was updated in place as the update's working copy (AdamW left
+    # (1 - beta1) * g there).
+    params, opt = _run(opt_cls, _params(dtype), 1, GROUPS, backend=backend)
+    for p, g in zip(params, _grads(params, 0)):
+        assert torch.equal(p.grad, g.to(dtype))
+    opt.grad_scale = 0.5  # a clip factor is applied inside the update, not to the gradient either
+    opt.step()
+    assert all(torch.equal(p.grad, g.to(dtype)) for p, g in zip(params, _grads(params, 0)))
+
+
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
 @pytest.mark.parametrize(("ours", "theirs"), [(AdamW, torch.optim.AdamW), (Adam, torch.optim.Adam)])
 def test_bf16_params_follow_fp64_torch(ours, theirs, rounding):

@@ -12,11 +12,12 @@ from lightning_pure_bf16.ops.rounding import stochastic_round_sum_bf16
 SHAPES = [(6,), (42,), (123,), (431, 7), (1 << 16) + 3, (0,)]
 
 
-def _run(opt_cls, shape, rounding, backend, steps=3, **kw):
+def _run(opt_cls, shape, rounding, backend, steps=3, grad_scale=1.0, **kw):
     shape = shape if isinstance(shape, tuple) else (shape,)
     init = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16)
     p = init.clone().requires_grad_()
     opt = opt_cls([p], lr=1e-2, weight_decay=0.05, rounding=rounding, seed=11, backend=backend, **kw)
+    opt.grad_scale = grad_scale
     for t in range(steps):
         p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
         opt.step()
@@ -58,6 +59,52 @@ def test_fused_cpu_loop_equals_torch_path_with_non_finite_values(rounding, loops
         # A NaN is a NaN (torch's own cast to bf16 makes every NaN its canonical one; the loop keeps sign and payload).
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(a[~a.isnan()].view(torch.int16), b[~b.isnan()].view(torch.int16))
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_both_cpu_loops_apply_a_gradient_factor_as_the_torch_path(moments, loops):
+    for opt_cls, rounding in ((AdamW, "stochastic"), (Adam, "kahan")):
+        fused = _run(opt_cls, (4099,), rounding, "cpu", grad_scale=0.3, moments=moments)
+        reference = _run(opt_cls, (4099,), rounding, "torch", grad_scale=0.3, moments=moments)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fused, reference))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_gradient_factor_is_one_float32_product_per_element(backend):
+    # adamw(grad_scale=f) on a bf16 gradient writes the bits of the update from the float32 gradient g * f (a product
+    # rounded once, to float32, never to bf16), with Adam's L2 term added after it.
+    from lightning_pure_bf16.optim.functional import adamw
+
+    gen = torch.Generator().manual_seed(3)
+    p0 = (torch.randn(4099, generator=gen) * 0.5).bfloat16()
+    grad = torch.randn(4099, generator=gen).bfloat16()
+    factor = 0.2917
+
+    def update(g, backend, **kw):
+        p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+        adamw(p, g, m, v, step=1, lr=1e-2, weight_decay=0.05, decoupled_weight_decay=False, backend=backend, **kw)
+        return [t.view(torch.int16) for t in (p, m, v)]
+
+    folded = update(grad, backend, grad_scale=factor)
+    scaled_before = update(grad.float() * torch.tensor(factor, dtype=torch.float32), "torch")
+    rounded_before = update((grad.float() * factor).bfloat16(), "torch")
+    assert all(torch.equal(a, b) for a, b in zip(folded, scaled_before))
+    assert not torch.equal(folded[1], rounded_before[1])  # not ZeRO-3's old product rounded to bf16
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf"), True, "0.5"])
+def test_a_bad_gradient_factor_is_refused_before_anything_changes(bad):
+    from lightning_pure_bf16.optim.functional import adamw
+
+    p = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)
+    opt = AdamW([p], lr=1e-2)
+    p.grad = torch.ones_like(p)
+    opt.grad_scale = bad
+    with pytest.raises(ValueError, match="AdamW.grad_scale`: grad_scale=.*finite number > 0"):
+        opt.step()
+    assert not opt.state and torch.equal(p.detach(), torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="adamw.*grad_scale=.*finite number > 0"):
+        adamw(p.detach(), p.grad, torch.zeros_like(p), torch.zeros_like(p), step=1, grad_scale=bad)
 
 
 def test_auto_picks_the_fused_loop_on_cpu(monkeypatch):

@@ -143,11 +143,14 @@ def test_clipping_is_wired_and_returns_the_norm(runs):
         assert len(norms) == 8
         finite = [n for n in norms if n == n and n != float("inf")]
         assert len(finite) == 7 and all(n > 0.05 for n in finite)  # the clip was active
-        # ZeRO-3 clipped to the norm asked for, in the step, and computed the same norm.
-        clip_values = {c for c, _ in rank["clip_seen"]}
+        # ZeRO-3 clipped to the norm asked for, in the step, and computed the same norm; its clip factor reached the
+        # update (folded into it, ZeRO-3's own pass over the gradient skipped).
+        clip_values = {c for c, _, _ in rank["clip_seen"]}
         assert clip_values == {0.05}
-        ds_norms = [n for _, n in rank["clip_seen"]][::2]  # two sub-groups per step
+        ds_norms = [n for _, n, _ in rank["clip_seen"]][::2]  # two sub-groups per step
         assert ds_norms == pytest.approx(finite, rel=1e-3)
+        factors = [f for _, _, f in rank["clip_seen"]]
+        assert factors == pytest.approx([0.05 / (n + 1e-6) for _, n, _ in rank["clip_seen"]], rel=1e-6)
 
 
 def test_accumulation_steps_once_per_two_backwards(runs):

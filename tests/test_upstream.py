@@ -202,31 +202,28 @@ def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
     assert _private_upstream_imports(probe) == ["probe.py:2 lightning.fabric.utilities.data._update_dataloader"]
 
 
-@pytest.mark.parametrize(
-    ("clip", "norm", "scaled"),
-    [(0.0, 8.0, False), (1.0, 0.5, False), (1.0, 4.0, True)],
-    ids=["no clipping", "norm within the clip", "clipped"],
-)
-def test_zero3_scales_the_gradient_only_by_a_factor_other_than_one(clip, norm, scaled):
-    # ZeRO-3's own method on a stand-in holding what it reads: the gradient is multiplied in place (its version
-    # counter moves) only where the factor is not 1.0, and then to DeepSpeed's values.
+@pytest.mark.parametrize(("clip", "norm"), [(0.0, 8.0), (1.0, 0.5), (1.0, 4.0)], ids=["off", "within", "clipped"])
+def test_zero3_hands_its_gradient_factor_to_the_update_instead_of_scaling_the_gradient(clip, norm):
+    # ZeRO-3's own method on a stand-in holding what it reads multiplies the bf16 gradient in place; wrapped, the
+    # gradient is left as it is (its version counter does not move) and the update gets the factor: the same float32
+    # value, since its product with the widened gradient, rounded to bf16, is ZeRO-3's gradient bit for bit.
     import types
 
     import torch
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    grad = torch.randn(64, generator=torch.Generator().manual_seed(0)).bfloat16()
-    master = torch.zeros(64, dtype=torch.bfloat16)
+    grad = torch.randn(4096, generator=torch.Generator().manual_seed(0)).bfloat16()
+    master = torch.zeros(4096, dtype=torch.bfloat16)
     zero = types.SimpleNamespace(loss_scale=1.0, clip_grad=clip, fp32_partitioned_groups_flat=[master])
     zero.unscale_and_clip_grads = types.MethodType(DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads, zero)
-    master.grad = expected = grad.clone()
+    master.grad = deepspeeds = grad.clone()
     zero.unscale_and_clip_grads(0, torch.tensor(norm))
-    master.grad = grad
-    version = grad._version
-    _internals.skip_unit_gradient_scale(zero)
+    master.grad, version, factors = grad, grad._version, []
+    _internals.fold_gradient_scale(zero, factors.append)
     zero.unscale_and_clip_grads(0, torch.tensor(norm))
-    assert (grad._version != version) == scaled
-    assert torch.equal(grad, expected)
+    assert grad._version == version and len(factors) == 1
+    assert factors[0] == (1.0 if norm <= clip or not clip else pytest.approx(clip / (norm + 1e-6), rel=1e-6))
+    assert torch.equal((grad.float() * torch.tensor(factors[0])).bfloat16(), deepspeeds)
 
 
 def test_the_gradient_norm_reads_each_gradient_once_and_gives_deepspeeds_norm(monkeypatch):

@@ -104,8 +104,8 @@ deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3
     _global_grad_norm | attribute | the bookkeeping step of gradient release sets it
     param_names | attribute | each parameter's name (repartition)
     clip_grad | attribute | the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)
-    unscale_and_clip_grads | method(self, sub_group_id, total_norm) | wrapped per engine: no multiplication of the
-        gradient by 1.0 (its factor: COPIED_UPSTREAM)
+    unscale_and_clip_grads | method(self, sub_group_id, total_norm) | replaced per engine: its factor handed to the
+        update instead of a pass over the gradient (fold_gradient_scale; its factor: COPIED_UPSTREAM)
     checkpoint_event_prologue | method(self) | partition every parameter before a load
     checkpoint_event_epilogue | method(self) | re-gather persistent parameters after a load
     _setup_for_real_optimizer | method(self) | wrapped: no gradient buffers under release
@@ -275,7 +275,7 @@ COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
         "tested": {"deepspeed 0.19.8": "e19095bb1db7f991"},
     },
     f"{_STAGE3}.unscale_and_clip_grads": {
-        "ours": "_internals.skip_unit_gradient_scale (its factor, computed the same way; no multiplication by 1.0)",
+        "ours": "_internals.fold_gradient_scale (its factor, computed the same way, applied inside the update)",
         "tested": {"deepspeed 0.19.8": "3ada6cbf6909016f"},
     },
     f"{_STAGE3}.step": {

@@ -114,7 +114,7 @@ def fused_cpu_available() -> bool:
         for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
             try:
                 _extension = _load_under_lock(
-                    f"lightning_pure_bf16_adamw_cpu_v24_{capability.lower()}{suffix}",
+                    f"lightning_pure_bf16_adamw_cpu_v25_{capability.lower()}{suffix}",
                     sources=[str(CSRC / name) for name in _SOURCES],
                     extra_include_paths=[str(CSRC)],
                     extra_cflags=[*flags, *hash_defines(), *openmp],

@@ -35,6 +35,7 @@ class KernelScalars(NamedTuple):
     decay: float  # lr * weight_decay, the decoupled decay factor
     neg_step_size: float  # -lr / bias_correction1
     inv_bias_correction2_sqrt: float
+    grad_scale: float  # the gradient's factor (a caller's clipping folded into the update); 1.0: no product
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class UpdateArgs:
     step: int
     rounding: str
     keys: tuple[int, int, int]  # stream keys for param, exp_avg, exp_avg_sq (rng.Buffer order)
+    # Every gradient element is multiplied by this factor in float32 before the update (a clipping factor computed
+    # by the caller, folded into the update's one pass); 1.0: the gradient as it is, and no product at all.
+    grad_scale: float = 1.0
 
     @property
     def bias_correction1(self) -> float:
@@ -71,6 +75,7 @@ class UpdateArgs:
             decay=self.lr * self.weight_decay,
             neg_step_size=-(self.lr / self.bias_correction1),
             inv_bias_correction2_sqrt=1.0 / self.bias_correction2_sqrt,
+            grad_scale=self.grad_scale,
         )
 
 
@@ -143,7 +148,10 @@ def adamw_update_torch_(
         end = min(start + chunk_size, n, next_high_word(index_offset + start) - index_offset)
         # Compute in fp32 whatever the storage dtype: bf16 arithmetic would round every intermediate.
         p = p_flat[start:end].float()
-        g = g_flat[start:end].float()
+        # A copy even of a float32 gradient (.float() would return the gradient itself): the update works in place.
+        g = g_flat[start:end].to(torch.float32, copy=True)
+        if s.grad_scale != 1.0:
+            g.mul_(s.grad_scale)
         if int8_moments:
             blocks = slice(start // quant.QBLOCK, -(-end // quant.QBLOCK))
             m = quant.decode_m(m_flat[start:end], exp_avg_scale[blocks])

@@ -198,6 +198,7 @@ def _adamw_kernel(
     decay,
     neg_step_size,
     inv_bias_correction2_sqrt,
+    grad_scale,
     word_p,
     word_m,
     word_v,
@@ -207,6 +208,7 @@ def _adamw_kernel(
     Q8M: tl.constexpr,
     C8: tl.constexpr,
     INDEX8: tl.constexpr,
+    SCALE_G: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # One kernel for every state format: Q8M (8-bit moments with block scales) and C8 (an 8-bit Kahan remainder) are
@@ -236,6 +238,8 @@ def _adamw_kernel(
     # Upcast to fp32: every intermediate in bf16 would round.
     p = _widen(tl.load(p_ptr + offsets, mask=mask, other=0.0))
     g = _widen(tl.load(g_ptr + offsets, mask=mask, other=0.0))
+    if SCALE_G:  # a caller's clipping factor, in float32 as the other backends apply it
+        g = g * grad_scale
     if Q8M:
         m_scale = tl.load(ms_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
         v_scale = tl.load(vs_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
@@ -417,6 +421,7 @@ def adamw_update_triton_(
             Q8M=q8m,
             C8=c8,
             INDEX8=index_offset % 8 == 0,
+            SCALE_G=args.grad_scale != 1.0,
             BLOCK=BLOCK_SIZE,
             num_warps=NUM_WARPS,
             # No fused multiply-add: each product rounded on its own, exactly as the PyTorch and CPU paths do.

@@ -109,6 +109,10 @@ class AdamW(Optimizer):
             :meth:`record_skipped_step`.
         nonfinite_reduce: optional function applied to the local non-finite flag before deciding (for example an
             all-reduce with ``MAX``), so every rank skips together.
+        grad_scale: every gradient element is multiplied by this factor, in float32, inside the update's one pass
+            (default: ``1.0``, no product): for a caller that clips by the global norm itself, in place of a pass of
+            its own over the gradient. The strategies set it before each ZeRO-3 update (the clip factor) and put it
+            back to 1.0 after the step. A finite number > 0; not saved.
     """
 
     _decoupled_default = True
@@ -171,6 +175,7 @@ class AdamW(Optimizer):
         self.skipped_parameter_updates = 0
         self.check_nonfinite = True
         self.nonfinite_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.grad_scale = 1.0
         self._next_stream = 0
         # The parameters this optimizer was given (ids): a float32 tensor stepped in their place is a wrapper's master.
         self._given_params: set[int] = set()
@@ -308,6 +313,7 @@ class AdamW(Optimizer):
         over the DTensors ``agree_over`` across ranks), the state files made and checked, then each tensor updated.
         Returns whether the tensors were updated (False: a gradient was inf/NaN and nothing changed)."""
         name = type(self).__name__
+        functional.check_grad_scale(f"`{name}.grad_scale`", self.grad_scale)
         plan = [
             (p, group, functional.resolve_backend(self.backend, *sharded.local_pair(name, p), name=name))
             for p, group in params
@@ -503,6 +509,7 @@ class AdamW(Optimizer):
             stream=state["stream"],
             backend=backend,
             chunk_size=self.chunk_size,
+            grad_scale=self.grad_scale,
         )
         # A remainder kept from an earlier rounding="kahan" is neither read nor written under another rounding.
         keys = [k for k in _STORED_KEYS if k in state and (k != "kahan_comp" or group["rounding"] == "kahan")]

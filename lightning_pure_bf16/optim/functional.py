@@ -55,6 +55,7 @@ def adamw(
     index_offset: int = 0,
     backend: str = "auto",
     chunk_size: int = DEFAULT_CHUNK,
+    grad_scale: float = 1.0,
 ) -> None:
     """One AdamW (or, with ``decoupled_weight_decay=False``, Adam) update of ``param`` in place, from ``grad``.
 
@@ -70,8 +71,11 @@ def adamw(
         index_offset: the index of ``param``'s first element in the tensor it is a slice of (its random bits belong to
             its elements).
         backend, chunk_size: as :class:`lightning_pure_bf16.AdamW`'s.
+        grad_scale: a factor every gradient element is multiplied by, in float32, before the update (a clip factor
+            the caller computed; default ``1.0``: none); a finite number > 0.
     """
     check_hyperparameters("adamw", lr, betas, eps, weight_decay, rounding)
+    check_grad_scale("`adamw(...)`", grad_scale)
     if rounding == "kahan" and kahan_comp is None and param.dtype == torch.bfloat16:
         raise ValueError("adamw(rounding='kahan') needs `kahan_comp`, the buffer of the remainders (zeros to start).")
     args = update_args(
@@ -84,6 +88,7 @@ def adamw(
         step=step,
         seed=seed,
         stream=stream,
+        grad_scale=grad_scale,
     )
     scales = {
         k: v for k, v in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)) if v is not None
@@ -104,6 +109,7 @@ def update_args(
     step: int,
     seed: int,
     stream: int,
+    grad_scale: float = 1.0,
 ) -> UpdateArgs:
     """The scalars of one update (:class:`~lightning_pure_bf16.ops.adamw_torch.UpdateArgs`), its noise keys included."""
     beta1, beta2 = betas
@@ -117,6 +123,7 @@ def update_args(
         step=step,
         rounding=rounding,
         keys=tuple(stream_key(seed, stream, step, b) for b in Buffer),  # type: ignore[arg-type]
+        grad_scale=float(grad_scale),
     )
 
 
@@ -265,9 +272,25 @@ def check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay
     check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 
+def check_grad_scale(where: str, grad_scale: Any) -> None:
+    """A gradient factor is a finite number > 0 (a clip factor is in (0, 1]); anything else is refused, naming
+    ``where`` it was given, before any buffer changes."""
+    if (
+        isinstance(grad_scale, bool)
+        or not isinstance(grad_scale, (int, float))
+        or not math.isfinite(grad_scale)
+        or grad_scale <= 0
+    ):
+        raise ValueError(
+            f"{where}: grad_scale={grad_scale!r}; the gradient's factor must be a finite number > 0 (a clip factor is"
+            " in (0, 1]; 1.0 leaves the gradient as it is)."
+        )
+
+
 __all__ = [
     "adamw",
     "any_nonfinite",
+    "check_grad_scale",
     "check_hyperparameters",
     "check_param",
     "nonfinite",

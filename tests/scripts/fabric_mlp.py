@@ -24,17 +24,18 @@ from lightning_pure_bf16.memory import is_file_backed
 
 
 def record_clipping() -> list:
-    """The norm ZeRO-3 clips to, at each sub-group update of every step."""
+    """At each sub-group update of every step: the norm ZeRO-3 clips to, the gradient's norm, and the factor the
+    update multiplies the gradient by (the clip factor, folded into the update)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     seen = []
-    original = DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads
+    original = DeepSpeedZeroOptimizer_Stage3._optimizer_step
 
-    def recorded(self, sub_group_id, total_norm):
-        seen.append((float(self.clip_grad), float(total_norm)))
-        return original(self, sub_group_id, total_norm)
+    def recorded(self, sub_group_id):
+        seen.append((float(self.clip_grad), float(self._global_grad_norm), float(self.optimizer.grad_scale)))
+        return original(self, sub_group_id)
 
-    DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads = recorded
+    DeepSpeedZeroOptimizer_Stage3._optimizer_step = recorded
     return seen
 
 

@@ -17,8 +17,8 @@ void adamw_update_q8(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
                      at::Tensor exp_avg_scale, at::Tensor exp_avg_sq_scale, at::Tensor kahan_comp, int64_t rounding,
                      bool decoupled, double beta1, double one_minus_beta1, double beta2, double one_minus_beta2,
                      double eps, double weight_decay, double decay, double neg_step_size,
-                     double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m, int64_t key_v,
-                     int64_t index_offset) {
+                     double inv_bias_correction2_sqrt, double grad_scale, int64_t key_p, int64_t key_m,
+                     int64_t key_v, int64_t index_offset) {
   TORCH_CHECK(rounding >= 0 && rounding <= 2, "adamw_update_q8: rounding code ", rounding, " is not 0, 1 or 2");
   TORCH_CHECK(index_offset >= 0 && index_offset % QBLOCK == 0, "adamw_update_q8: index_offset must be a multiple of ",
               QBLOCK, ", got ", index_offset);
@@ -57,7 +57,7 @@ void adamw_update_q8(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
   uint16_t* VS = q8m ? reinterpret_cast<uint16_t*>(exp_avg_sq_scale.data_ptr()) : nullptr;
   void* C = rounding == 2 ? kahan_comp.data_ptr() : nullptr;
   const Scalars s = scalars_of(beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size,
-                               inv_bias_correction2_sqrt);
+                               inv_bias_correction2_sqrt, grad_scale);
   const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
   void* M = exp_avg.data_ptr();
   void* V = exp_avg_sq.data_ptr();
@@ -156,8 +156,8 @@ bool any_nonfinite_bf16(at::Tensor t) {
 void adamw_update_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                        at::Tensor kahan_comp, int64_t rounding, bool decoupled, double beta1, double one_minus_beta1,
                        double beta2, double one_minus_beta2, double eps, double weight_decay, double decay,
-                       double neg_step_size, double inv_bias_correction2_sqrt, int64_t key_p, int64_t key_m,
-                       int64_t key_v, int64_t index_offset) {
+                       double neg_step_size, double inv_bias_correction2_sqrt, double grad_scale, int64_t key_p,
+                       int64_t key_m, int64_t key_v, int64_t index_offset) {
   // The loop reads raw bf16 words: every buffer must be a contiguous bf16 CPU tensor of the parameter's size.
   TORCH_CHECK(rounding >= 0 && rounding <= 2, "adamw_update_bf16: rounding code ", rounding, " is not 0, 1 or 2");
   TORCH_CHECK(index_offset >= 0, "adamw_update_bf16: index_offset must be >= 0, got ", index_offset);
@@ -184,7 +184,7 @@ void adamw_update_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at
   // Only Kahan reads the compensation buffer (the caller passes a placeholder otherwise).
   uint16_t* C = rounding == 2 ? reinterpret_cast<uint16_t*>(kahan_comp.data_ptr()) : nullptr;
   const Scalars s = scalars_of(beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size,
-                               inv_bias_correction2_sqrt);
+                               inv_bias_correction2_sqrt, grad_scale);
   const bool l2 = !decoupled && weight_decay != 0.0, dec = decoupled && decay != 0.0;
   const int64_t n = param.numel();
   if (rounding == 0) dispatch_decay<0>(l2, dec, P, G, M, V, C, n, s, key_p, key_m, key_v, index_offset);

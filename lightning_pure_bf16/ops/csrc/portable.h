@@ -24,6 +24,7 @@ void update_portable(uint16_t* __restrict__ P, const uint16_t* __restrict__ G, u
       const uint32_t lo = lo0 + static_cast<uint32_t>(j);
       const float p = widen(Pc[j]);
       float g = widen(Gc[j]);
+      if (s.grad_scale != 1.0f) g = g * s.grad_scale;
       float m = widen(Mc[j]);
       float v = widen(Vc[j]);
       if (L2) g = g + p * s.wd;

@@ -110,6 +110,7 @@ void update_qblock_portable(uint16_t* __restrict__ Pb, const uint16_t* __restric
     const uint32_t lo = lo0 + static_cast<uint32_t>(j);
     const float p = widen(Pb[j]);
     float g = widen(Gb[j]);
+    if (s.grad_scale != 1.0f) g = g * s.grad_scale;
     float m = mbuf[j], v = vbuf[j];
     if (L2) g = g + p * s.wd;
     v = v * s.b2 + (g * g) * s.omb2;

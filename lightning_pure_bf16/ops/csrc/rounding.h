@@ -100,11 +100,13 @@ static std::atomic<bool> vector_loops{true};
 
 struct Scalars {
   float b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
+  float grad_scale = 1.0f;  // the gradient's factor (a caller's clipping); 1: the gradient as it is, no product
 };
 
 // The step's scalars as float32, exactly as torch turns a Python float into the scalar of a float32 tensor op.
 inline Scalars scalars_of(double beta1, double one_minus_beta1, double beta2, double one_minus_beta2, double eps,
-                          double weight_decay, double decay, double neg_step_size, double inv_bias_correction2_sqrt) {
+                          double weight_decay, double decay, double neg_step_size, double inv_bias_correction2_sqrt,
+                          double grad_scale) {
   return Scalars{static_cast<float>(beta1),
                  static_cast<float>(one_minus_beta1),
                  static_cast<float>(beta2),
@@ -113,7 +115,8 @@ inline Scalars scalars_of(double beta1, double one_minus_beta1, double beta2, do
                  static_cast<float>(weight_decay),
                  static_cast<float>(decay),
                  static_cast<float>(neg_step_size),
-                 static_cast<float>(inv_bias_correction2_sqrt)};
+                 static_cast<float>(inv_bias_correction2_sqrt),
+                 static_cast<float>(grad_scale)};
 }
 
 constexpr int64_t CHUNK = 64;

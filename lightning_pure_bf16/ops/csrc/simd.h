@@ -242,7 +242,8 @@ PB16_INLINE typename A::I round_stochastic_sum_v(typename A::F a, typename A::F 
 // in m and v, the returned change of the parameter.
 template <class A>
 struct AdamConsts {
-  typename A::F b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2;
+  typename A::F b1, omb1, b2, omb2, eps, wd, decay, neg_step, inv_bc2, grad_scale;
+  bool scale_grad;
   explicit AdamConsts(const Scalars& s)
       : b1(A::fset(s.b1)),
         omb1(A::fset(s.omb1)),
@@ -252,11 +253,14 @@ struct AdamConsts {
         wd(A::fset(s.wd)),
         decay(A::fset(s.decay)),
         neg_step(A::fset(s.neg_step)),
-        inv_bc2(A::fset(s.inv_bc2)) {}
+        inv_bc2(A::fset(s.inv_bc2)),
+        grad_scale(A::fset(s.grad_scale)),
+        scale_grad(s.grad_scale != 1.0f) {}
 };
 template <class A, bool L2, bool DECOUPLED>
 PB16_INLINE typename A::F adam_delta(typename A::F p, typename A::F g, typename A::F& m, typename A::F& v,
                                      const AdamConsts<A>& k) {
+  if (k.scale_grad) g = A::mul(g, k.grad_scale);
   if (L2) g = A::add(g, A::mul(p, k.wd));
   v = A::add(A::mul(v, k.b2), A::mul(A::mul(g, g), k.omb2));
   m = A::add(A::mul(m, k.b1), A::mul(g, k.omb1));
