@@ -368,7 +368,7 @@ def test_cpu_loop_entry_checks_every_buffer():
     assert adamw_cpu.fused_cpu_available()
     p = torch.zeros(8, dtype=torch.bfloat16)
     good = [p, p.clone(), p.clone(), p.clone(), p.clone()]
-    scalars = [0, True, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0, -1e-3, 1.0, 1, 2, 3, 0]
+    scalars = [0, True, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0, -1e-3, 1.0, 1.0, 1, 2, 3, 0]
     adamw_cpu._extension.adamw_update_bf16(*good, *scalars)
     cases = {
         "must be bfloat16": [p, p, p.float(), p, p],
@@ -473,7 +473,7 @@ def test_dtensor_layouts_the_update_cannot_take_are_refused_not_crashed_on(dtens
     assert len(opt.state[p]) == 0 and not p.any()
     # The loops refuse it too when called directly (the C++ loop took it for memory and crashed the process).
     assert adamw_cpu.fused_cpu_available()
-    scalars = [0, True, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0, -1e-3, 1.0, 1, 2, 3, 0]
+    scalars = [0, True, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0, -1e-3, 1.0, 1.0, 1, 2, 3, 0]
     plain = [torch.zeros(8, 4, dtype=torch.bfloat16) for _ in range(4)]
     with pytest.raises(RuntimeError, match="`param` is a tensor subclass with no memory of its own"):
         adamw_cpu._extension.adamw_update_bf16(dtensor.detach(), *plain, *scalars)

@@ -527,6 +527,7 @@ class AdamW(Optimizer):
         """What ``copy.deepcopy``, ``pickle`` and ``torch.save(optimizer)`` keep: torch's state plus the seed, the
         counters and the options, so a copy continues bit for bit like the original. ``nonfinite_reduce`` is left out
         (like torch's hooks: it is bound to a process group); a copy checks its own gradients until it is set again.
+        ``grad_scale`` (one step's factor) starts at 1.0 in a copy.
         With ``state_storage="mmap"`` the moments travel as tensors and the copy writes them to state files of its
         own (under the same ``state_dir``); the original's files are never touched."""
         state = super().__getstate__()
@@ -542,6 +543,7 @@ class AdamW(Optimizer):
         super().__setstate__(state)
         self._given_params = {id(p) for group in self.param_groups for p in group["params"]}  # the copy's own
         self.nonfinite_reduce = None
+        self.grad_scale = 1.0  # a caller's factor for one step, not part of the optimizer's state
         self._storage.adopt_copy(self)
 
     def state_dict(self) -> dict[str, Any]:
