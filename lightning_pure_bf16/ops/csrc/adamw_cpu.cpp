@@ -17,8 +17,8 @@ void adamw_update_q8(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
                      at::Tensor exp_avg_scale, at::Tensor exp_avg_sq_scale, at::Tensor kahan_comp, int64_t rounding,
                      bool decoupled, double beta1, double one_minus_beta1, double beta2, double one_minus_beta2,
                      double eps, double weight_decay, double decay, double neg_step_size,
-                     double inv_bias_correction2_sqrt, double grad_scale, int64_t key_p, int64_t key_m,
-                     int64_t key_v, int64_t index_offset) {
+                     double inv_bias_correction2_sqrt, double grad_scale, int64_t key_p, int64_t key_m, int64_t key_v,
+                     int64_t index_offset) {
   TORCH_CHECK(rounding >= 0 && rounding <= 2, "adamw_update_q8: rounding code ", rounding, " is not 0, 1 or 2");
   TORCH_CHECK(index_offset >= 0 && index_offset % QBLOCK == 0, "adamw_update_q8: index_offset must be a multiple of ",
               QBLOCK, ", got ", index_offset);
