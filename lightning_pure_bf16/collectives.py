@@ -93,7 +93,7 @@ def reduce_scatter_by_exchange(scatter: Callable[..., Any]) -> Callable[..., Any
     the input, receives theirs, and sums the rows in place of its output: on 2 ranks the same bits as gloo's (one
     float32 addition rounded once), on more a float32 sum in rank order rounded once, which may differ from gloo's
     in the last bit (gloo's own order of partial sums). Temporaries: the received rows (the input's size up to two
-    pieces, then one piece per rank) and the rows to send of a piece. Other operations, backends, devices,
+    pieces, then one piece per rank) and the rows to send of a piece. One rank, other operations, backends, devices,
     non-contiguous tensors and mismatched sizes take DeepSpeed's own call.
     """
     import torch.distributed as dist
@@ -110,7 +110,7 @@ def reduce_scatter_by_exchange(scatter: Callable[..., Any]) -> Callable[..., Any
         if not _on_gloo(group, input_tensor, output_tensor) or op != dist.ReduceOp.SUM:
             return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world, size = dist.get_world_size(group), output_tensor.numel()
-        if input_tensor.numel() != world * size or input_tensor.dtype != output_tensor.dtype:
+        if world == 1 or input_tensor.numel() != world * size or input_tensor.dtype != output_tensor.dtype:
             return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         rows, flat_out = input_tensor.view(world, size), output_tensor.reshape(-1)
         whole = size <= 2 * max(1, COLLECTIVE_PIECE // world)
