@@ -129,10 +129,12 @@ def test_the_torch_path_never_divides_by_a_python_number(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
-def test_cuda_kernel_writes_the_same_bytes_as_the_torch_path(config):
-    reference = _bytes(*_run(((1 << 20) + 77,), "torch", device="cuda", **config))
-    kernel = _bytes(*_run(((1 << 20) + 77,), "triton", device="cuda", **config))
+@pytest.mark.parametrize("grad_scale", [1.0, 0.3], ids=["no factor", "a clip factor"])
+@pytest.mark.parametrize("config", [{}, *CONFIGS], ids=lambda c: "-".join(f"{v}" for v in c.values()) or "bf16")
+def test_cuda_kernel_writes_the_same_bytes_as_the_torch_path(config, grad_scale):
+    shape = ((1 << 20) + 77,)
+    reference = _bytes(*_run(shape, "torch", device="cuda", grad_scale=grad_scale, **config))
+    kernel = _bytes(*_run(shape, "triton", device="cuda", grad_scale=grad_scale, **config))
     assert all(torch.equal(a, b) for a, b in zip(kernel, reference))
 
 
