@@ -65,6 +65,11 @@ def _unchecked(opt: AdamW) -> AdamW:
     return opt
 
 
+def _scaled(opt: AdamW) -> AdamW:
+    opt.grad_scale = 0.5  # a clip factor, as ZeRO-3's clipping hands it over
+    return opt
+
+
 def _candidates(
     device: torch.device, torch_path: bool = True
 ) -> list[tuple[str, str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]]:
@@ -90,6 +95,14 @@ def _candidates(
                         lambda ps, r=rounding, b=backend: _unchecked(AdamW(ps, lr=1e-4, rounding=r, backend=b, seed=0)),
                     )
                 )
+            # ZeRO-3's clip factor folded into the update (AdamW.grad_scale): one more product per element.
+            cands.append(
+                (
+                    f"pure_bf16 stochastic, no inf/NaN check, a clip factor ({backend})",
+                    "stochastic",
+                    lambda ps, b=backend: _scaled(_unchecked(AdamW(ps, lr=1e-4, backend=b, seed=0))),
+                )
+            )
         cands.append(
             (
                 f"pure_bf16 int8 moments ({backend})",
