@@ -560,7 +560,6 @@ class EngineRun:
         return inner_optimizer(self.engine)
 
     def _after_step(self) -> None:
-        self.optimizer.grad_scale = 1.0  # the clip factor folded into this step's updates, if any
         if self.gather is not None:
             self.gather.after_step()
         skipped = _internals.zero3_step_skipped(self.engine.optimizer)

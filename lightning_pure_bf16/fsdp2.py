@@ -61,10 +61,33 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 class FSDP2PureBF16Precision(HalfPrecision):
-    """``precision="bf16-true"``: bf16 parameters, inputs cast to bf16; the only precision of the FSDP2 strategy."""
+    """``precision="bf16-true"``: bf16 parameters, inputs cast to bf16; the only precision of the FSDP2 strategy.
+
+    Clipping by norm (``Trainer(gradient_clip_val=...)``) computes the gradients' global norm and the clip factor as
+    ``torch.nn.utils.clip_grad_norm_`` does, and hands the factor to this package's optimizer
+    (:attr:`~lightning_pure_bf16.AdamW.grad_scale`), which applies it in float32 inside its update, instead of a pass
+    that multiplies every gradient in place (and rounds it to bf16). A non-finite norm, or another optimizer, takes
+    torch's own clipping.
+    """
 
     def __init__(self) -> None:
         super().__init__("bf16-true")
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        if not isinstance(optimizer, AdamW):
+            super().clip_grad_by_norm(optimizer, clip_val)
+            return
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        if not grads:
+            return
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        factor = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
+        factor = float(factor.full_tensor() if is_dtensor(factor) else factor)
+        if not (factor > 0.0 and factor != float("inf")):  # an inf/NaN norm: torch's path (the step then skips)
+            super().clip_grad_by_norm(optimizer, clip_val)
+            return
+        optimizer.grad_scale = factor
 
 
 class FSDP2PureBF16Strategy(ModelParallelStrategy):

@@ -225,3 +225,51 @@ def test_hsdp_replicas_draw_the_same_bits_and_stay_equal(runs):
     assert ranks[0]["losses"][-1] < 0.2 * ranks[0]["losses"][0]
     for name, value in ranks[0]["local"].items():
         assert torch.equal(value, ranks[1]["local"][name]), name
+
+
+def test_the_fsdp2_strategys_clipping_hands_its_factor_to_the_update(tmp_path):
+    """``gradient_clip_val`` under the FSDP2 strategy: the global norm and clip factor as torch's ``clip_grad_norm_``
+    computes them, handed to the optimizer (no pass that scales the gradients); the step applies it and puts the factor
+    back; another optimizer, or an inf/NaN norm, takes torch's own clipping. On a 1-rank mesh, in this process."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from lightning_pure_bf16 import AdamW
+    from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Precision
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        gen = torch.Generator().manual_seed(0)
+        values = [torch.randn(8, 4, generator=gen).bfloat16() for _ in range(2)]
+        grads = [torch.randn(8, 4, generator=gen).bfloat16() for _ in range(2)]
+
+        def model(optimizer_cls, **kw):
+            params = [torch.nn.Parameter(distribute_tensor(v.clone(), mesh, [Shard(0)])) for v in values]
+            for p, g in zip(params, grads):
+                p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            return params, optimizer_cls(params, lr=1e-2, **kw)
+
+        precision = FSDP2PureBF16Precision()
+        params, opt = model(AdamW, seed=3)
+        precision.clip_gradients(opt, clip_val=0.1)
+        norm = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in grads]))
+        assert opt.grad_scale == pytest.approx(0.1 / (float(norm) + 1e-6), rel=1e-3)
+        assert all(torch.equal(p.grad.to_local(), g) for p, g in zip(params, grads))  # not scaled in place
+        factor = opt.grad_scale
+        opt.step()
+        assert opt.grad_scale == 1.0
+        reference, ref_opt = model(AdamW, seed=3)
+        ref_opt.grad_scale = factor
+        ref_opt.step()
+        assert all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, reference))
+
+        params, sgd = model(torch.optim.SGD)
+        precision.clip_gradients(sgd, clip_val=0.1)  # torch's clipping scales the gradients
+        assert not torch.equal(params[0].grad.to_local(), grads[0])
+        params, opt = model(AdamW, seed=3)
+        params[1].grad.to_local()[0, 0] = float("nan")
+        precision.clip_gradients(opt, clip_val=0.1)
+        assert opt.grad_scale == 1.0 and params[0].grad.to_local().isnan().all()
+    finally:
+        dist.destroy_process_group()

@@ -109,10 +109,11 @@ class AdamW(Optimizer):
             :meth:`record_skipped_step`.
         nonfinite_reduce: optional function applied to the local non-finite flag before deciding (for example an
             all-reduce with ``MAX``), so every rank skips together.
-        grad_scale: every gradient element is multiplied by this factor, in float32, inside the update's one pass
-            (default: ``1.0``, no product): for a caller that clips by the global norm itself, in place of a pass of
-            its own over the gradient. The strategies set it before each ZeRO-3 update (the clip factor) and put it
-            back to 1.0 after the step. A finite number > 0; not saved.
+        grad_scale: in the next :meth:`step`, every gradient element is multiplied by this factor, in float32, inside
+            the update's one pass (default: ``1.0``, no product); the step puts it back to 1.0. For a caller that
+            clips by the global norm itself, in place of a pass of its own over the gradient: the strategies set it
+            to the clip factor before each ZeRO-3 update and in the FSDP2 strategy's clipping. A finite number > 0;
+            not saved.
     """
 
     _decoupled_default = True
@@ -293,8 +294,11 @@ class AdamW(Optimizer):
         # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank takes
         # part in the agreement, over all its DTensor parameters (with a gradient or not).
         every = sharded.dtensors(q for g in self.param_groups for q in g["params"])
-        if not self._apply(params, self.nonfinite_grads, agree_over=every):
-            self.record_skipped_step()
+        try:
+            if not self._apply(params, self.nonfinite_grads, agree_over=every):
+                self.record_skipped_step()
+        finally:
+            self.grad_scale = 1.0  # a factor for one step
         return loss
 
     def _check_open(self) -> None:
