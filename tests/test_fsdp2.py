@@ -123,7 +123,7 @@ LIGHTNING = ("fsdp2_pure_bf16", "fsdp2_pure_bf16_int8_kahan", "fsdp2_pure_bf16_r
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_lightning")
-    run_script("fsdp2_lightning.py", out, json.dumps({"strategies": list(LIGHTNING), "refusals": True}))
+    run_script("fsdp2_lightning.py", out, json.dumps({"strategies": list(LIGHTNING), "refusals": True, "clip": 1e-3}))
     return out
 
 
@@ -143,6 +143,19 @@ def test_the_trainer_strategy_converts_the_optimizer_and_resumes_mid_epoch_bit_f
             assert whole[part].keys() == resumed[part].keys()
             for key, value in whole[part].items():
                 assert torch.equal(value, resumed[part][key]), (part, key)
+
+
+def test_the_trainer_strategys_clipping_reaches_the_update_as_a_factor(fits):
+    # Trainer(gradient_clip_val=1e-3): at every step the precision plugin hands the optimizer a factor below 1 (the
+    # norm is above 1e-3 here), the same on both ranks (a global norm); the step puts it back to 1.0.
+    ranks = [torch.load(fits / f"clip_rank{rank}.pt", weights_only=False) for rank in range(2)]
+    no_clip = torch.load(fits / LIGHTNING[0] / "rank0.pt", weights_only=False)["whole"]
+    for rank in ranks:
+        assert len(rank["factors"]) == len(rank["losses"]) and all(0 < f < 1 for f in rank["factors"])
+        assert rank["after"] == 1.0
+    assert ranks[0]["factors"] == ranks[1]["factors"]
+    name = next(iter(no_clip["params"]))
+    assert not torch.equal(ranks[0]["params"][name], no_clip["params"][name])
 
 
 def test_gradient_release_under_fsdp2_gives_the_bits_of_the_step(fits):

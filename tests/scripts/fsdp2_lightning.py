@@ -106,6 +106,7 @@ def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = Tr
         "params": params,
         "states": states,
         "rank": trainer.global_rank,
+        "optimizer_object": optimizer,
     }
 
 
@@ -122,11 +123,30 @@ def main(out: Path, opts: dict) -> None:
             except (RuntimeError, ValueError) as err:
                 errors[name] = str(err)
         torch.save(errors, out / f"refusals_rank{int(os.environ.get('LOCAL_RANK', 0))}.pt")
+    if opts.get("clip"):
+        # Clipping by norm: the factor the precision plugin hands to the optimizer at each step, and what the step
+        # leaves of it.
+        from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Precision
+
+        factors = []
+        clip = FSDP2PureBF16Precision.clip_grad_by_norm
+
+        def recorded(self, optimizer, clip_val):  # noqa: ANN001, ANN202
+            clip(self, optimizer, clip_val)
+            factors.append(float(optimizer.grad_scale))
+
+        FSDP2PureBF16Precision.clip_grad_by_norm = recorded
+        clipped = fit(out / "clip", "fsdp2_pure_bf16", clip=opts["clip"])
+        FSDP2PureBF16Precision.clip_grad_by_norm = clip
+        clipped |= {"factors": factors, "after": float(clipped.pop("optimizer_object").grad_scale)}
+        torch.save(clipped, out / f"clip_rank{clipped['rank']}.pt")
     for strategy in opts.get("strategies", ["fsdp2_pure_bf16"]):
         where = out / strategy
         where.mkdir(parents=True, exist_ok=True)
         whole = fit(where, strategy)
         resumed = fit(where / "resumed", strategy, ckpt_path=str(where / "ckpts" / "step=2.ckpt"))
+        for result in (whole, resumed):
+            result.pop("optimizer_object")
         torch.save({"whole": whole, "resumed": resumed}, where / f"rank{whole['rank']}.pt")
 
 
