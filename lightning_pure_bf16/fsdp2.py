@@ -66,8 +66,9 @@ class FSDP2PureBF16Precision(HalfPrecision):
     Clipping by norm (``Trainer(gradient_clip_val=...)``) computes the gradients' global norm and the clip factor as
     ``torch.nn.utils.clip_grad_norm_`` does, and hands the factor to this package's optimizer
     (:attr:`~lightning_pure_bf16.AdamW.grad_scale`), which applies it in float32 inside its update, instead of a pass
-    that multiplies every gradient in place (and rounds it to bf16). A non-finite norm, or another optimizer, takes
-    torch's own clipping.
+    that multiplies every gradient in place (and rounds it to bf16); the norm being finite, the step skips its own
+    inf/NaN check (:attr:`~lightning_pure_bf16.AdamW.grads_finite`). A non-finite norm, or another optimizer, takes
+    torch's own clipping (and the step its check, which then skips it).
     """
 
     def __init__(self) -> None:
@@ -87,7 +88,8 @@ class FSDP2PureBF16Precision(HalfPrecision):
         if not (factor > 0.0 and factor != float("inf")):  # an inf/NaN norm: torch's path (the step then skips)
             super().clip_grad_by_norm(optimizer, clip_val)
             return
-        optimizer.grad_scale = factor
+        # A finite global norm: every gradient on every rank is finite, so the step need not check them again.
+        optimizer.grad_scale, optimizer.grads_finite = factor, True
 
 
 class FSDP2PureBF16Strategy(ModelParallelStrategy):

@@ -242,8 +242,9 @@ def test_hsdp_replicas_draw_the_same_bits_and_stay_equal(runs):
 
 def test_the_fsdp2_strategys_clipping_hands_its_factor_to_the_update(tmp_path):
     """``gradient_clip_val`` under the FSDP2 strategy: the global norm and clip factor as torch's ``clip_grad_norm_``
-    computes them, handed to the optimizer (no pass that scales the gradients); the step applies it and puts the factor
-    back; another optimizer, or an inf/NaN norm, takes torch's own clipping. On a 1-rank mesh, in this process."""
+    computes them, handed to the optimizer (no pass that scales the gradients) with the word that every gradient is
+    finite (no pass that checks them); the step applies both and puts them back; another optimizer, or an inf/NaN
+    norm, takes torch's own clipping (and the step its check). On a 1-rank mesh, in this process."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
@@ -270,8 +271,14 @@ def test_the_fsdp2_strategys_clipping_hands_its_factor_to_the_update(tmp_path):
         assert opt.grad_scale == pytest.approx(0.1 / (float(norm) + 1e-6), rel=1e-3)
         assert all(torch.equal(p.grad.to_local(), g) for p, g in zip(params, grads))  # not scaled in place
         factor = opt.grad_scale
+        assert opt.grads_finite  # the norm is finite: the step skips its own pass over the gradients
+
+        def no_check():
+            raise AssertionError("the step checked the gradients for inf/NaN again")
+
+        opt.nonfinite_grads = no_check
         opt.step()
-        assert opt.grad_scale == 1.0
+        assert opt.grad_scale == 1.0 and not opt.grads_finite
         reference, ref_opt = model(AdamW, seed=3)
         ref_opt.grad_scale = factor
         ref_opt.step()
@@ -283,6 +290,8 @@ def test_the_fsdp2_strategys_clipping_hands_its_factor_to_the_update(tmp_path):
         params, opt = model(AdamW, seed=3)
         params[1].grad.to_local()[0, 0] = float("nan")
         precision.clip_gradients(opt, clip_val=0.1)
-        assert opt.grad_scale == 1.0 and params[0].grad.to_local().isnan().all()
+        assert opt.grad_scale == 1.0 and not opt.grads_finite and params[0].grad.to_local().isnan().all()
+        opt.step()  # checked, and skipped
+        assert opt.skipped_steps == 1
     finally:
         dist.destroy_process_group()

@@ -114,6 +114,9 @@ class AdamW(Optimizer):
             clips by the global norm itself, in place of a pass of its own over the gradient: the strategies set it
             to the clip factor before each ZeRO-3 update and in the FSDP2 strategy's clipping. A finite number > 0;
             not saved.
+        grads_finite: set by a caller that has established, on every rank, that every gradient of the next
+            :meth:`step` is finite (a finite global norm over them, say): that step skips its own inf/NaN check (a
+            pass over the gradients and a host synchronization); the step puts it back to ``False``. Not saved.
     """
 
     _decoupled_default = True
@@ -177,6 +180,7 @@ class AdamW(Optimizer):
         self.check_nonfinite = True
         self.nonfinite_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.grad_scale = 1.0
+        self.grads_finite = False
         self._next_stream = 0
         # The parameters this optimizer was given (ids): a float32 tensor stepped in their place is a wrapper's master.
         self._given_params: set[int] = set()
@@ -286,19 +290,20 @@ class AdamW(Optimizer):
         same rounding noise as without compiling.
         """
         self._check_open()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank takes
-        # part in the agreement, over all its DTensor parameters (with a gradient or not).
-        every = sharded.dtensors(q for g in self.param_groups for q in g["params"])
         try:
-            if not self._apply(params, self.nonfinite_grads, agree_over=every):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+            # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank
+            # takes part in the agreement, over all its DTensor parameters (with a gradient or not), unless the
+            # caller established on every rank that the gradients are finite (grads_finite).
+            every = sharded.dtensors(q for g in self.param_groups for q in g["params"])
+            if not self._apply(params, None if self.grads_finite else self.nonfinite_grads, agree_over=every):
                 self.record_skipped_step()
         finally:
-            self.grad_scale = 1.0  # a factor for one step
+            self.grad_scale, self.grads_finite = 1.0, False  # what a caller established for this one step
         return loss
 
     def _check_open(self) -> None:
@@ -308,7 +313,7 @@ class AdamW(Optimizer):
     def _apply(
         self,
         params: list[tuple[torch.Tensor, dict[str, Any]]],
-        nonfinite: Callable[[], torch.Tensor],
+        nonfinite: Callable[[], torch.Tensor] | None,
         *,
         agree_over: list[torch.Tensor],
     ) -> bool:
@@ -323,7 +328,7 @@ class AdamW(Optimizer):
             for p, group in params
         ]
         self._refuse_float32_masters(plan)
-        if self.check_nonfinite:
+        if self.check_nonfinite and nonfinite is not None:
             flag = nonfinite()
             if self.nonfinite_reduce is not None:
                 flag = self.nonfinite_reduce(flag)
@@ -531,7 +536,7 @@ class AdamW(Optimizer):
         """What ``copy.deepcopy``, ``pickle`` and ``torch.save(optimizer)`` keep: torch's state plus the seed, the
         counters and the options, so a copy continues bit for bit like the original. ``nonfinite_reduce`` is left out
         (like torch's hooks: it is bound to a process group); a copy checks its own gradients until it is set again.
-        ``grad_scale`` (one step's factor) starts at 1.0 in a copy.
+        ``grad_scale`` and ``grads_finite`` (a caller's word on one step) start at 1.0 and ``False`` in a copy.
         With ``state_storage="mmap"`` the moments travel as tensors and the copy writes them to state files of its
         own (under the same ``state_dir``); the original's files are never touched."""
         state = super().__getstate__()
@@ -547,7 +552,7 @@ class AdamW(Optimizer):
         super().__setstate__(state)
         self._given_params = {id(p) for group in self.param_groups for p in group["params"]}  # the copy's own
         self.nonfinite_reduce = None
-        self.grad_scale = 1.0  # a caller's factor for one step, not part of the optimizer's state
+        self.grad_scale, self.grads_finite = 1.0, False  # a caller's word on one step, not the optimizer's state
         self._storage.adopt_copy(self)
 
     def state_dict(self) -> dict[str, Any]:
