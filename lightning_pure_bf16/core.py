@@ -498,8 +498,9 @@ def after_engine_setup(
         release = GradientRelease(engine.optimizer, strategy_name)
     else:
         _internals.view_sub_group_gradients(engine.optimizer)
-        inner = inner_optimizer(engine)
-        _internals.fold_gradient_scale(engine.optimizer, lambda factor: setattr(inner, "grad_scale", factor))
+        _internals.fold_gradient_scale(
+            engine.optimizer, lambda factor: setattr(inner_optimizer(engine), "grad_scale", factor)
+        )
         collectives.gradient_norm_in_one_pass(engine.optimizer)
     optimizer = inner_optimizer(engine)
     report = memory_report(engine)

@@ -79,14 +79,15 @@ class FSDP2PureBF16Precision(HalfPrecision):
         if not isinstance(optimizer, AdamW):
             super().clip_grad_by_norm(optimizer, clip_val)
             return
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        params = list(self.main_params(optimizer))
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
         total = torch.nn.utils.get_total_norm(grads, 2.0)
         factor = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
         factor = float(factor.full_tensor() if is_dtensor(factor) else factor)
-        if not (factor > 0.0 and factor != float("inf")):  # an inf/NaN norm: torch's path (the step then skips)
-            super().clip_grad_by_norm(optimizer, clip_val)
+        if not factor > 0.0:  # an inf/NaN norm (factor 0 or NaN): torch's clipping with that norm; the step then skips
+            torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
             return
         # A finite global norm: every gradient on every rank is finite, so the step need not check them again.
         optimizer.grad_scale, optimizer.grads_finite = factor, True
