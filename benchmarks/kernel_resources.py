@@ -1,15 +1,16 @@
-"""What the Triton AdamW kernel uses on CUDA GPUs, per specialisation, compiled ahead of time without a GPU.
+"""What the Triton update kernel uses on CUDA GPUs, per specialisation, compiled ahead of time without a GPU.
 
-Every specialisation the optimizer can launch: each rounding, Adam (L2) and AdamW (decoupled), bf16 and float32
-gradients, 32- and 64-bit sizes and offsets, aligned (pointers and size multiples of 16 bytes: vector loads; an index
-offset that is a multiple of 8) or not; for sm_80 (A100) and sm_90 (H100/H200). Compiled with Triton's own
-``triton.compile`` and a CUDA ``GPUTarget`` (the ``ptxas`` in the triton wheel); registers and local memory (spills)
-read from the cubin with the wheel's ``cuobjdump``, and the SASS instructions it disassembles counted per element (the
-kernel has no loop: each thread runs its elements unrolled, so the instructions of one pass over the kernel, less
-``NOP`` padding and the closing self-branch, divided by the elements per thread), and those a thread executes on the
-common path (``executed_instructions``: the listing also holds the slow paths of the correctly rounded division and
-square root). For the default configurations the report sets the time the executed instructions take at a device's issue
-rate beside the time the kernel's bytes take at its memory bandwidth: the larger bounds the step.
+Every specialisation the optimizer can launch for AdamW: each rounding, Adam (L2) and AdamW (decoupled), bf16 and
+float32 gradients, 32- and 64-bit sizes and offsets, aligned (pointers and size multiples of 16 bytes: vector loads;
+an index offset that is a multiple of 8) or not; for sm_80 (A100) and sm_90 (H100/H200); and the other algorithms of
+the family (Lion, SGD with momentum, SGD without) as the strategies launch them, with bf16 and 8-bit states. Compiled
+with Triton's own ``triton.compile`` and a CUDA ``GPUTarget`` (the ``ptxas`` in the triton wheel); registers and local
+memory (spills) read from the cubin with the wheel's ``cuobjdump``, and the SASS instructions it disassembles counted
+per element (the kernel has no loop: each thread runs its elements unrolled, so the instructions of one pass over the
+kernel, less ``NOP`` padding and the closing self-branch, divided by the elements per thread), and those a thread
+executes on the common path (``executed_instructions``: the listing also holds the slow paths of the correctly rounded
+division and square root). For the default configurations the report sets the time the executed instructions take at
+a device's issue rate beside the time the kernel's bytes take at its memory bandwidth: the larger bounds the step.
 
     python benchmarks/kernel_resources.py            # both architectures, every specialisation
     python benchmarks/kernel_resources.py --quick    # sm_90 only
@@ -37,29 +38,19 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lightning_pure_bf16.ops import adamw_triton  # noqa: E402
+from lightning_pure_bf16.ops import update_triton  # noqa: E402
+from lightning_pure_bf16.ops.algorithms import ROUNDING_CODES, Algorithm  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ARCHS = (80, 90)
-ELEMENTS_PER_THREAD = adamw_triton.BLOCK_SIZE // (32 * adamw_triton.NUM_WARPS)
+ELEMENTS_PER_THREAD = update_triton.BLOCK_SIZE // (32 * update_triton.NUM_WARPS)
 # Devices of sm_90: streaming multiprocessors, the clock (GHz) and the memory bandwidth (TB/s); an SM issues one
 # warp instruction per clock on each of its 4 schedulers. SMs and bandwidths as NVIDIA states them for the SXM parts
 # (132 SMs; 3.35 and 4.8 TB/s). The clock is an assumption, a sustained 1.755 GHz under load (at which an H100 issues
 # 124 instructions per element in the time its memory moves 14 bytes); --clock-ghz sets another.
 DEVICES = {"H100 SXM": (132, 1.755, 3.35), "H200 SXM": (132, 1.755, 4.8)}
 POINTERS = ("p_ptr", "g_ptr", "m_ptr", "v_ptr", "ms_ptr", "vs_ptr", "c_ptr")
-SCALARS = (
-    "beta1",
-    "one_minus_beta1",
-    "beta2",
-    "one_minus_beta2",
-    "eps",
-    "weight_decay",
-    "decay",
-    "neg_step_size",
-    "inv_bias_correction2_sqrt",
-    "grad_scale",
-)
+SCALARS = (*(f"h{i}" for i in range(9)), "grad_scale")
 
 
 def _signature(grad: str, ints: str, q8m: bool = False, c8: bool = False) -> dict[str, str]:
@@ -143,10 +134,11 @@ def executed_instructions(sass: str) -> int:
     raise ValueError("no path to EXIT in the listing (a loop?)")
 
 
-def bytes_per_element(grad: str, rounding: str) -> float:
-    """What one element of the update reads and writes: the weight (bf16, both ways), the gradient (read), each moment
-    (bf16 both ways, or int8 with a bf16 scale per 128 elements), Kahan's remainder (bf16 or int8, both ways)."""
-    moments = 2 * (2 * 1 + 2 * 2 / 128) if "int8 moments" in rounding else 2 * 2 * 2
+def bytes_per_element(grad: str, rounding: str, states: int = 2) -> float:
+    """What one element of the update reads and writes: the weight (bf16, both ways), the gradient (read), each of
+    ``states`` states (bf16 both ways, or int8 with a bf16 scale per 128 elements), Kahan's remainder (bf16 or int8,
+    both ways)."""
+    moments = states * (2 * 1 + 2 * 2 / 128) if "int8 moments" in rounding else states * 2 * 2
     remainder = 0 if not rounding.startswith("kahan") else (2 if "int8 remainder" in rounding else 4)
     return 4 + (2 if grad == "bf16" else 4) + moments + remainder
 
@@ -163,7 +155,7 @@ def predicted(
 
 def _build(source: ASTSource, arch: int) -> dict:
     """Compile one specialisation for ``sm_<arch>``; what it uses."""
-    options = {"num_warps": adamw_triton.NUM_WARPS, "enable_fp_fusion": False}
+    options = {"num_warps": update_triton.NUM_WARPS, "enable_fp_fusion": False}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     registers, local, sass, executed = _usage(compiled.asm["cubin"])
     return {
@@ -188,29 +180,30 @@ def compile_all(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
     """Compile every specialisation for each architecture; one row per build. ``corners``: of each state format, only
     the launched configuration and the widest (:data:`LAUNCHED`, :data:`WIDEST`)."""
     rows = []
-    grid = itertools.product(archs, adamw_triton._ROUNDING_CODES.items(), (True, False), ("bf16", "fp32"))
+    grid = itertools.product(archs, ROUNDING_CODES.items(), (True, False), ("bf16", "fp32"))
     for arch, (rounding, code), decoupled, grad in grid:
         for ints, aligned in itertools.product(("i32", "i64"), (True, False)):
             if corners and (decoupled, grad, ints, aligned) not in (LAUNCHED, WIDEST):
                 continue
             constants = {
+                **_algorithm(Algorithm.ADAM, 2, int(decoupled)),
                 "ROUNDING": code,
-                "DECOUPLED": decoupled,
                 "Q8M": False,
                 "C8": False,
                 # The launcher's INDEX8 (an index offset that is a multiple of 8) goes with the aligned builds.
                 "INDEX8": aligned,
                 "SCALE_G": False,  # no clipping factor to fold in (or a factor of 1): no product
-                "BLOCK": adamw_triton.BLOCK_SIZE,
+                "BLOCK": update_triton.BLOCK_SIZE,
             }
             signature = {**_signature(grad, ints), **dict.fromkeys(constants, "constexpr")}
             names = list(signature)
             # What Triton's launcher specialises on: pointers and the size divisible by 16.
             attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*POINTERS, "n_elements")} if aligned else {}
-            source = ASTSource(fn=adamw_triton._adamw_kernel, signature=signature, constexprs=constants, attrs=attrs)
+            source = ASTSource(fn=update_triton._update_kernel, signature=signature, constexprs=constants, attrs=attrs)
             rows.append(
                 {
                     "arch": f"sm_{arch}",
+                    "algorithm": "adamw",
                     "rounding": rounding,
                     "weight_decay": "decoupled" if decoupled else "L2",
                     "grad": grad,
@@ -220,6 +213,56 @@ def compile_all(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
                 }
             )
     rows += compile_q8(archs, corners)
+    rows += compile_family(archs)
+    return rows
+
+
+def _algorithm(algorithm: Algorithm, states: int, variant: int) -> dict[str, int]:
+    """The kernel's compile-time choice of arithmetic (its constexprs in their order)."""
+    return {"ALGORITHM": int(algorithm), "STATES": states, "VARIANT": variant}
+
+
+# The other algorithms as the strategies launch them: their usual variant (Lion and SGD with weight decay, SGD with
+# Nesterov momentum), bf16 gradient, 32-bit sizes, aligned, each rounding with bf16 states and stochastic rounding
+# with 8-bit ones.
+FAMILY = {"lion": (Algorithm.LION, 1, 1), "sgd_momentum": (Algorithm.SGD, 1, 3), "sgd": (Algorithm.SGD, 0, 1)}
+
+
+def compile_family(archs: tuple[int, ...]) -> list[dict]:
+    """The kernel for Lion and SGD (with and without momentum), as launched; one row per build."""
+    rows = []
+    formats = [(rounding, False) for rounding in ROUNDING_CODES] + [("stochastic", True)]
+    for arch, name, (rounding, q8m) in itertools.product(archs, FAMILY, formats):
+        algorithm, states, variant = FAMILY[name]
+        if q8m and not states:
+            continue
+        constants = {
+            **_algorithm(algorithm, states, variant),
+            "ROUNDING": ROUNDING_CODES[rounding],
+            "Q8M": q8m,
+            "C8": False,
+            "INDEX8": True,
+            "SCALE_G": False,
+            "BLOCK": update_triton.BLOCK_SIZE,
+        }
+        signature = {**_signature("bf16", "i32", q8m), **dict.fromkeys(constants, "constexpr")}
+        names = list(signature)
+        pointers = [n for n in names if n.endswith("_ptr")]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, "n_elements")}
+        source = ASTSource(fn=update_triton._update_kernel, signature=signature, constexprs=constants, attrs=attrs)
+        rows.append(
+            {
+                "arch": f"sm_{arch}",
+                "algorithm": name,
+                "rounding": f"{rounding} (int8 moments)" if q8m else rounding,
+                "weight_decay": "decoupled" if algorithm is Algorithm.LION else "L2",
+                "grad": "bf16",
+                "ints": "i32",
+                "aligned": True,
+                "states": states,
+                **_build(source, arch),
+            }
+        )
     return rows
 
 
@@ -227,7 +270,7 @@ def compile_q8(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
     """The kernel with 8-bit states: every rounding with 8-bit moments, and Kahan's 8-bit remainder with either moment
     format; bf16 gradients, aligned pointers (``corners``: AdamW with 32-bit sizes and Adam with 64-bit ones only)."""
     rows = []
-    variants = [(r, True, False) for r in adamw_triton._ROUNDING_CODES] + [
+    variants = [(r, True, False) for r in ROUNDING_CODES] + [
         ("kahan", True, True),
         ("kahan", False, True),
     ]
@@ -235,23 +278,24 @@ def compile_q8(archs: tuple[int, ...], corners: bool = False) -> list[dict]:
         if corners and (decoupled, ints) not in ((LAUNCHED[0], LAUNCHED[2]), (WIDEST[0], WIDEST[2])):
             continue
         constants = {
-            "ROUNDING": adamw_triton._ROUNDING_CODES[rounding],
-            "DECOUPLED": decoupled,
+            **_algorithm(Algorithm.ADAM, 2, int(decoupled)),
+            "ROUNDING": ROUNDING_CODES[rounding],
             "Q8M": q8m,
             "C8": c8,
             "INDEX8": True,  # 8-bit moments' offsets are multiples of QBLOCK
             "SCALE_G": False,
-            "BLOCK": adamw_triton.BLOCK_SIZE,
+            "BLOCK": update_triton.BLOCK_SIZE,
         }
         signature = {**_signature("bf16", ints, q8m, c8), **dict.fromkeys(constants, "constexpr")}
         names = list(signature)
         pointers = [n for n in names if n.endswith("_ptr")]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, "n_elements")}
-        source = ASTSource(fn=adamw_triton._adamw_kernel, signature=signature, constexprs=constants, attrs=attrs)
+        source = ASTSource(fn=update_triton._update_kernel, signature=signature, constexprs=constants, attrs=attrs)
         states = ("int8 moments" if q8m else "bf16 moments") + (", int8 remainder" if c8 else "")
         rows.append(
             {
                 "arch": f"sm_{arch}",
+                "algorithm": "adamw",
                 "rounding": f"{rounding} ({states})",
                 "weight_decay": "decoupled" if decoupled else "L2",
                 "grad": "bf16",
@@ -274,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = compile_all((90,) if args.quick else ARCHS, corners=args.corners)
     for r in rows:
         if r["executed_per_element"] is not None:
-            nbytes = bytes_per_element(r["grad"], r["rounding"])
+            nbytes = bytes_per_element(r["grad"], r["rounding"], r.get("states", 2))
             times = {d: predicted(r["executed_per_element"], nbytes, d, clock_ghz=args.clock_ghz) for d in DEVICES}
             r["bound"] = {d: "memory" if memory >= issue else "issue" for d, (issue, memory) in times.items()}
     if args.json:
@@ -287,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     command += f" --clock-ghz {args.clock_ghz:g}" if args.clock_ghz else ""
     spills = sum(1 for r in rows if r["local_bytes"])
     lines = [
-        f"# Triton AdamW kernel: {len(rows)} specialisations compiled ahead of time (triton {triton.__version__})",
+        f"# Triton update kernel: {len(rows)} specialisations compiled ahead of time (triton {triton.__version__})",
         "",
         f"Command: `{command}`. Builds with local memory (spills): {spills}. Fused multiply-adds: "
         f"{sum(r['fma'] for r in rows)} (must be 0: the backends round every product on its own). SASS instructions"
@@ -310,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
-        default = (r["arch"], r["weight_decay"], r["grad"], r["ints"], r["aligned"]) == (
+        default = (r["arch"], r["algorithm"], r["weight_decay"], r["grad"], r["ints"], r["aligned"]) == (
             "sm_90",
+            "adamw",
             "decoupled",
             "bf16",
             "i32",
@@ -331,15 +376,34 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += [
         "",
+        "## The other algorithms of the family on sm_90, as launched",
+        "",
+        "Lion with weight decay, SGD with Nesterov momentum and weight decay, SGD without momentum (no state); bf16"
+        " gradient, 32-bit sizes, aligned; the same prediction as above.",
+        "",
+        "| algorithm | rounding | SASS / element | executed / element | bytes / element | H100 bound | H200 bound |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        if r["arch"] != "sm_90" or r["algorithm"] == "adamw" or r["executed_per_element"] is None:
+            continue
+        nbytes = bytes_per_element(r["grad"], r["rounding"], r["states"])
+        lines.append(
+            f"| {r['algorithm']} | {r['rounding']} | {r['sass_per_element']} | {r['executed_per_element']} |"
+            f" {nbytes:g} | {r['bound']['H100 SXM']} | {r['bound']['H200 SXM']} |"
+        )
+    lines += [
+        "",
         "## Every specialisation",
         "",
-        "| arch | rounding | weight decay | grad | ints | aligned | registers | local bytes | vector loads"
+        "| arch | algorithm | rounding | weight decay | grad | ints | aligned | registers | local bytes | vector loads"
         " | SASS / element | executed / element |",
-        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['arch']} | {r['rounding']} | {r['weight_decay']} | {r['grad']} | {r['ints']} | {r['aligned']} |"
+            f"| {r['arch']} | {r['algorithm']} | {r['rounding']} | {r['weight_decay']} | {r['grad']} | {r['ints']} |"
+            f" {r['aligned']} |"
             f" {r['registers']} | {r['local_bytes']} | {r['vector_loads']} | {r['sass_per_element']} |"
             f" {r['executed_per_element']} |"
         )

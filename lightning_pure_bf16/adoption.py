@@ -1,4 +1,5 @@
-"""Optimizer adoption: the user's ``torch.optim.AdamW``/``Adam`` becomes the pure-bf16 optimizer, same hyperparameters.
+"""Optimizer adoption: the user's ``torch.optim.AdamW``/``Adam``/``SGD`` becomes the pure-bf16 optimizer of the same
+algorithm, same hyperparameters.
 
 Front ends (the Trainer strategy, Fabric) call :func:`adopt_optimizer` on what the user built, rebind the user's LR
 schedulers with :func:`rebind_scheduler`, and hand the result to ZeRO-3 after :func:`prepare_for_zero3`. Nothing
@@ -14,14 +15,16 @@ from torch.optim import Optimizer
 
 from lightning_pure_bf16._internals import mark_step_for_lr_scheduler
 from lightning_pure_bf16._log import rank_zero_info
-from lightning_pure_bf16.optim import Adam, AdamW, rank_seed
+from lightning_pure_bf16.optim import SGD, Adam, AdamW, PureBF16Optimizer, rank_seed
 from lightning_pure_bf16.optim.options import TORCH_ONLY_GROUP_KEYS, OptimizerOptions, unsupported_torch_options
 
-ADOPTABLE = (torch.optim.AdamW, torch.optim.Adam)
+# The torch.optim optimizers converted, and what each becomes.
+ADOPTABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
-def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str, source: str) -> AdamW:
-    """The pure-bf16 optimizer for ``optimizer``: itself if it is one, else a conversion of a fresh torch AdamW/Adam.
+def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str, source: str) -> PureBF16Optimizer:
+    """The pure-bf16 optimizer for ``optimizer``: itself if it is one, else a conversion of a fresh torch AdamW, Adam
+    or SGD.
 
     Args:
         optimizer: what the user built.
@@ -31,11 +34,11 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
         source: where the optimizer came from, for messages (``"configure_optimizers"``).
 
     Raises:
-        TypeError: not a torch AdamW/Adam nor a pure-bf16 optimizer.
+        TypeError: not a torch AdamW/Adam/SGD nor a pure-bf16 optimizer.
         ValueError: an option pure bf16 cannot honour (amsgrad, maximize, ...), a torch optimizer that already holds
             state, or a pure-bf16 optimizer with another state storage than ``options``.
     """
-    if isinstance(optimizer, AdamW):
+    if isinstance(optimizer, PureBF16Optimizer):
         if options.state_storage == "mmap" and optimizer.state_storage != "mmap":
             raise ValueError(
                 f"`{who}` keeps optimizer states in memory-mapped files, but got"
@@ -56,9 +59,9 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
     kind = type(optimizer)
     if kind not in ADOPTABLE:
         raise TypeError(
-            f"`{who}` can convert `torch.optim.AdamW` and `torch.optim.Adam`, but got"
-            f" `{kind.__module__}.{kind.__qualname__}` from `{source}`. Use one of those, or"
-            " `lightning_pure_bf16.AdamW`/`Adam` directly."
+            f"`{who}` can convert `torch.optim.AdamW`, `torch.optim.Adam` and `torch.optim.SGD`, but got"
+            f" `{kind.__module__}.{kind.__qualname__}` from `{source}`. Use one of those, or this package's"
+            " `AdamW`, `Adam`, `Lion` or `SGD` directly."
         )
     for group in optimizer.param_groups:
         for option, value in unsupported_torch_options(group).items():
@@ -73,8 +76,11 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
         )
     groups = [{k: v for k, v in g.items() if k not in TORCH_ONLY_GROUP_KEYS} for g in optimizer.param_groups]
     kwargs = options.optimizer_kwargs()
+    new: PureBF16Optimizer
     if kind is torch.optim.AdamW:
-        new: AdamW = AdamW(groups, **kwargs)
+        new = AdamW(groups, **kwargs)
+    elif kind is torch.optim.SGD:
+        new = SGD(groups, **kwargs)
     else:
         decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
         new = Adam(groups, decoupled_weight_decay=decoupled, **kwargs)
@@ -94,7 +100,7 @@ def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
     mark_step_for_lr_scheduler(optimizer)
 
 
-def prepare_for_zero3(optimizer: AdamW, *, base_seed: int | None, global_rank: int) -> None:
+def prepare_for_zero3(optimizer: PureBF16Optimizer, *, base_seed: int | None, global_rank: int) -> None:
     """Make ``optimizer`` ready to be stepped by ZeRO-3 on rank ``global_rank``.
 
     Each rank rounds with its own seed (derived from ``base_seed``, else the optimizer's), state files get a
@@ -108,7 +114,7 @@ def prepare_for_zero3(optimizer: AdamW, *, base_seed: int | None, global_rank: i
 
 def adopt_for_zero3(
     optimizer: Optimizer, scheduler: Any, options: OptimizerOptions, *, who: str, source: str, global_rank: int
-) -> AdamW:
+) -> PureBF16Optimizer:
     """What a Lightning front end does with the optimizer it is given before ZeRO-3 takes it: adopted
     (:func:`adopt_optimizer`), the scheduler built on it (if any) rebound to the adopted one, and prepared for rank
     ``global_rank`` (:func:`prepare_for_zero3`, with the options' seed)."""

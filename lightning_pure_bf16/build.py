@@ -14,17 +14,17 @@ import time
 
 
 def main() -> int:
-    import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+    import lightning_pure_bf16.ops.update_cpu as update_cpu
 
     start = time.perf_counter()
-    ok = adamw_cpu.fused_cpu_available()
+    ok = update_cpu.fused_cpu_available()
     elapsed = time.perf_counter() - start
     if not ok:
         print(
-            f"lightning_pure_bf16: the fused CPU optimizer loop did not compile: {adamw_cpu._failure}", file=sys.stderr
+            f"lightning_pure_bf16: the fused CPU optimizer loop did not compile: {update_cpu._failure}", file=sys.stderr
         )
         return 1
-    where = adamw_cpu.build_directory(adamw_cpu._extension.__name__)
+    where = update_cpu.build_directory(update_cpu._extension.__name__)
     print(f"lightning_pure_bf16: fused CPU optimizer loop ready ({elapsed:.2f} s), cached in {where}")
     return 0
 

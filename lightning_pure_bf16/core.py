@@ -42,7 +42,7 @@ from lightning_pure_bf16.config import (
     split_config_section,
 )
 from lightning_pure_bf16.memory import PeakMeter, format_peak, format_report, peak_report, zero3_model_state_report
-from lightning_pure_bf16.optim import AdamW, fused_cpu_available
+from lightning_pure_bf16.optim import PureBF16Optimizer, fused_cpu_available
 from lightning_pure_bf16.optim.options import (
     STATE_DIR_ENV,
     STATE_STORAGES,
@@ -450,7 +450,7 @@ def initialize_engine(
     return engine, ds_optimizer, ds_scheduler
 
 
-def inner_optimizer(engine: Any) -> AdamW:
+def inner_optimizer(engine: Any) -> PureBF16Optimizer:
     """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
     return _internals.zero3_inner_optimizer(engine.optimizer)
 
@@ -556,7 +556,7 @@ class EngineRun:
         engine.pure_bf16 = self
 
     @property
-    def optimizer(self) -> AdamW:
+    def optimizer(self) -> PureBF16Optimizer:
         """The pure-bf16 optimizer inside ZeRO-3's."""
         return inner_optimizer(self.engine)
 
@@ -832,7 +832,7 @@ class LightningFrontEnd:
         )
 
     @property
-    def pure_bf16_optimizer(self) -> AdamW:
+    def pure_bf16_optimizer(self) -> PureBF16Optimizer:
         """The pure-bf16 optimizer inside DeepSpeed's ZeRO-3 optimizer (holds the moments and counters)."""
         return inner_optimizer(self.model)
 

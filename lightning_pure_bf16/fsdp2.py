@@ -29,7 +29,7 @@ from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.adoption import adopt_optimizer, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
 from lightning_pure_bf16.memory import format_report, sharded_model_state_report
-from lightning_pure_bf16.optim.adamw import AdamW
+from lightning_pure_bf16.optim import PureBF16Optimizer
 from lightning_pure_bf16.optim.options import OptimizerOptions
 from lightning_pure_bf16.optim.sharded import is_dtensor
 from lightning_pure_bf16.safe_load import check_dcp_checkpoint
@@ -76,7 +76,7 @@ class FSDP2PureBF16Precision(HalfPrecision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        if not isinstance(optimizer, AdamW):
+        if not isinstance(optimizer, PureBF16Optimizer):
             super().clip_grad_by_norm(optimizer, clip_val)
             return
         params = list(self.main_params(optimizer))
@@ -307,7 +307,7 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------------------------------------ inspection
     @property
-    def pure_bf16_optimizer(self) -> AdamW:
+    def pure_bf16_optimizer(self) -> PureBF16Optimizer:
         """The pure-bf16 optimizer (holds the moments and counters)."""
         return self.optimizers[0]
 

@@ -409,7 +409,7 @@ def load_repartitioned(
     for bit where a block's codes share one scale). Everything is checked before anything is written: every live
     parameter must be in the checkpoint with its size, and the param groups must match.
     """
-    from lightning_pure_bf16.optim.adamw import AdamW
+    from lightning_pure_bf16.optim import PureBF16Optimizer
 
     layout = _internals.zero3_layout(zero_optimizer)
     optimizer = _internals.zero3_inner_optimizer(zero_optimizer)
@@ -431,8 +431,10 @@ def load_repartitioned(
             f"The checkpoint '{checkpoint.dir}' has {len(checkpoint.param_groups)} parameter groups, this run's"
             f" optimizer {len(optimizer.param_groups)}: configure_optimizers must build the same groups."
         )
-    if not isinstance(optimizer, AdamW):
-        raise _internals.UpstreamChanged(f"ZeRO-3 wraps a {type(optimizer).__name__}, not this package's AdamW.")
+    if not isinstance(optimizer, PureBF16Optimizer):
+        raise _internals.UpstreamChanged(
+            f"ZeRO-3 wraps a {type(optimizer).__name__}, not an optimizer of this package."
+        )
     masters = _internals.zero3_master_partitions(zero_optimizer)
     if [m.data_ptr() for m in masters] != [sub.flat.data_ptr() for sub in layout]:
         raise _internals.UpstreamChanged("ZeRO-3's master partitions are not its bf16 parameter partitions.")

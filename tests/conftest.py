@@ -34,11 +34,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(params=["vector", "portable"])
 def loops(request):
     """The explicit vector loops (where this CPU and build have them), then the portable loops, on the same CPU."""
-    import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu  # here: the Triton interpreter is switched on above first
+    import lightning_pure_bf16.ops.update_cpu as update_cpu  # here: the Triton interpreter is switched on above first
 
-    assert adamw_cpu.fused_cpu_available()
-    has_vector = adamw_cpu._extension.use_vector_loops(request.param == "vector")
+    assert update_cpu.fused_cpu_available()
+    has_vector = update_cpu._extension.use_vector_loops(request.param == "vector")
     if request.param == "vector" and not has_vector:
         pytest.skip("this build has no explicit vector loops for this CPU (the portable loops are tested)")
     yield request.param
-    adamw_cpu._extension.use_vector_loops(True)
+    update_cpu._extension.use_vector_loops(True)

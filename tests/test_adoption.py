@@ -55,7 +55,8 @@ def test_a_pure_bf16_optimizer_is_used_as_is():
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
-        (lambda p: torch.optim.SGD(p, lr=0.1), TypeError, r"got `torch\.optim\.sgd\.SGD` from"),
+        (lambda p: torch.optim.RMSprop(p, lr=0.1), TypeError, r"got `torch\.optim\.rmsprop\.RMSprop` from"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, differentiable=True), ValueError, r"SGD\(differentiable=True\)"),
         (lambda p: torch.optim.AdamW(p, amsgrad=True), ValueError, r"AdamW\(amsgrad=True\)` cannot be converted"),
         (lambda p: torch.optim.Adam(p, maximize=True), ValueError, r"Adam\(maximize=True\)"),
     ],

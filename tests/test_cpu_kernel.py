@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+import lightning_pure_bf16.ops.update_cpu as update_cpu
 from lightning_pure_bf16 import Adam, AdamW
 from lightning_pure_bf16.ops.rounding import stochastic_round_sum_bf16
 
@@ -110,8 +110,8 @@ def test_a_bad_gradient_factor_is_refused_before_anything_changes(bad):
 def test_auto_picks_the_fused_loop_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        "lightning_pure_bf16.optim.functional.adamw_update_cpu_",
-        lambda *a, **k: calls.append(a) or adamw_cpu.adamw_update_cpu_(*a, **k),
+        "lightning_pure_bf16.optim.functional.update_cpu_",
+        lambda *a, **k: calls.append(a) or update_cpu.update_cpu_(*a, **k),
     )
     _run(AdamW, (10,), "stochastic", "auto", steps=1)
     assert len(calls) == 1
@@ -137,8 +137,8 @@ def test_failed_build_warns_and_falls_back(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(adamw_cpu, "_extension", None)
-    monkeypatch.setattr(adamw_cpu, "_failure", None)
+    monkeypatch.setattr(update_cpu, "_extension", None)
+    monkeypatch.setattr(update_cpu, "_failure", None)
     monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
     with pytest.warns(RuntimeWarning, match="did not compile.*no compiler here"):
         fallback = _run(AdamW, (50,), "stochastic", "auto", steps=2)
@@ -156,38 +156,38 @@ def test_a_compiler_without_openmp_builds_the_serial_loop(monkeypatch):
         built.append(name)
         return object()
 
-    monkeypatch.setattr(adamw_cpu, "_extension", None)
-    monkeypatch.setattr(adamw_cpu, "_failure", None)
+    monkeypatch.setattr(update_cpu, "_extension", None)
+    monkeypatch.setattr(update_cpu, "_failure", None)
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_openmp)
-    assert adamw_cpu.fused_cpu_available() and adamw_cpu._failure is None
+    assert update_cpu.fused_cpu_available() and update_cpu._failure is None
     assert len(built) == 1 and built[0].endswith("_serial")
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("where", [0, 70_000, 131_071])
 def test_fused_nonfinite_check_finds_every_kind_anywhere(bad, where):
-    assert adamw_cpu.fused_cpu_available()
+    assert update_cpu.fused_cpu_available()
     g = torch.randn(131_072).to(torch.bfloat16)
-    assert not adamw_cpu.any_nonfinite_cpu(g)
+    assert not update_cpu.any_nonfinite_cpu(g)
     g[where] = bad
-    assert adamw_cpu.any_nonfinite_cpu(g)
+    assert update_cpu.any_nonfinite_cpu(g)
 
 
 def test_fused_nonfinite_check_accepts_extremes():
-    assert adamw_cpu.fused_cpu_available()
+    assert update_cpu.fused_cpu_available()
     finfo = torch.finfo(torch.bfloat16)
     g = torch.tensor([finfo.max, -finfo.max, finfo.tiny, 0.0, -0.0, 1e-40], dtype=torch.bfloat16)
-    assert not adamw_cpu.any_nonfinite_cpu(g)
-    assert not adamw_cpu.any_nonfinite_cpu(torch.empty(0, dtype=torch.bfloat16))
+    assert not update_cpu.any_nonfinite_cpu(g)
+    assert not update_cpu.any_nonfinite_cpu(torch.empty(0, dtype=torch.bfloat16))
 
 
 def test_the_loop_is_ready_when_the_optimizer_is_made_not_at_its_first_step(monkeypatch):
-    monkeypatch.setattr(adamw_cpu, "_extension", None)
+    monkeypatch.setattr(update_cpu, "_extension", None)
     AdamW([torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)])
-    assert adamw_cpu._extension is not None
-    monkeypatch.setattr(adamw_cpu, "_extension", None)
+    assert update_cpu._extension is not None
+    monkeypatch.setattr(update_cpu, "_extension", None)
     AdamW([torch.zeros(4, requires_grad=True)])  # float32 parameters never use it
-    assert adamw_cpu._extension is None
+    assert update_cpu._extension is None
 
 
 def test_build_command_compiles_ahead_of_time():
@@ -233,7 +233,7 @@ def test_fast_sum_rounding_equals_the_exact_one_at_every_carry_boundary(loops):
     a = torch.cat([a, extremes, extremes.flip(0)])
     b = torch.cat([b, extremes.flip(0) * 0.75, -extremes * 1e-3])
     bits = torch.cat([bits, (torch.arange(2 * len(extremes), dtype=torch.int64) * 0x3C6EF372 % (1 << 31)).int()])
-    got = adamw_cpu._extension.stochastic_round_sum_bf16(a, b, bits)
+    got = update_cpu._extension.stochastic_round_sum_bf16(a, b, bits)
     want = stochastic_round_sum_bf16(a, b, bits)
     # A NaN stays a NaN (which NaN's sign and payload a NaN + NaN sum keeps is the compiler's choice of operand order).
     assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) >= 8
@@ -278,10 +278,10 @@ def test_the_hash_constants_have_one_source_and_the_loop_draws_rngs_bits():
     from lightning_pure_bf16.ops import rng
 
     constants = {rng.MIX_MUL1, rng.MIX_MUL2}
-    for path in adamw_cpu.CSRC.glob("*.[ch]*"):
+    for path in update_cpu.CSRC.glob("*.[ch]*"):
         text = path.read_text().lower()
         assert not any(f"{c:#x}" in text or str(c) in text for c in constants), path.name
-    assert f"-DMIX_MUL1={rng.MIX_MUL1:#x}u" in adamw_cpu.hash_defines()
+    assert f"-DMIX_MUL1={rng.MIX_MUL1:#x}u" in update_cpu.hash_defines()
     # The loop hashes with them: one stochastic step draws the PyTorch path's bits (which ops/rng.py computes).
     ours = _run(AdamW, (4099,), "stochastic", "cpu", steps=1)
     reference = _run(AdamW, (4099,), "stochastic", "torch", steps=1)

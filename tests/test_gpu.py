@@ -43,7 +43,8 @@ def test_fabric_on_one_gpu(tmp_path):
 
 @pytest.mark.gpu
 def test_torch_path_temporaries_stay_bounded():
-    from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, adamw_update_torch_
+    from lightning_pure_bf16.ops.algorithms import UpdateArgs
+    from lightning_pure_bf16.ops.update_torch import update_torch_
 
     n = 1 << 26  # 128 MiB per bf16 buffer
     p, g, m, v = (torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(4))
@@ -53,7 +54,7 @@ def test_torch_path_temporaries_stay_bounded():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    adamw_update_torch_(p, g, m, v, None, args)
+    update_torch_(p, g, (m, v), None, args)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < 64 * 2**20
 

@@ -348,9 +348,9 @@ def test_a_second_moment_changing_by_a_fifth_of_a_percent_a_step_follows_its_ave
 def test_the_loops_levels_equal_the_division(loops):
     """The vector loops compute k / 127 and k / 255 without a division (a product and a fused correction): every
     level of both codes equals the PyTorch path's division."""
-    from lightning_pure_bf16.ops import adamw_cpu
+    from lightning_pure_bf16.ops import update_cpu
 
-    levels = adamw_cpu._extension.levels_8bit()
+    levels = update_cpu._extension.levels_8bit()
     assert torch.equal(levels[:128], quant._level(torch.arange(128, dtype=torch.float32), quant.M_LEVELS, 2))
     assert torch.equal(levels[128:], quant._level(torch.arange(256, dtype=torch.float32), quant.V_LEVELS, 4))
 
@@ -402,8 +402,9 @@ def _extreme_states(n, config, seed=3):
 def test_both_cpu_loops_equal_the_torch_path_on_extreme_states(config, decoupled, loops):
     """Both CPU loops against the PyTorch path on states from zero to subnormal to huge, every code, a partial last
     block, and an index crossing 2**32 (the random bits' high word changes between two blocks)."""
-    from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_
-    from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, adamw_update_torch_
+    from lightning_pure_bf16.ops.algorithms import UpdateArgs
+    from lightning_pure_bf16.ops.update_cpu import update_cpu_
+    from lightning_pure_bf16.ops.update_torch import update_torch_
 
     n = 20 * quant.QBLOCK + 50
     offset = 2**32 - 5 * quant.QBLOCK
@@ -419,20 +420,18 @@ def test_both_cpu_loops_equal_the_torch_path_on_extreme_states(config, decoupled
         keys=(0x1234567, 0x7654321, 0x0BADF00D),
     )
     outputs = []
-    for update in (adamw_update_torch_, adamw_update_cpu_):
+    for update in (update_torch_, update_cpu_):
         param, grad, state = _extreme_states(n, config)
         kw = {"index_offset": offset}
-        if update is adamw_update_torch_:
+        if update is update_torch_:
             kw["chunk_size"] = quant.QBLOCK
         update(
             param,
             grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
+            (state["exp_avg"], state["exp_avg_sq"]),
             state.get("kahan_comp"),
             args,
-            exp_avg_scale=state.get("exp_avg_scale"),
-            exp_avg_sq_scale=state.get("exp_avg_sq_scale"),
+            scales=(state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")),
             **kw,
         )
         outputs.append([param.view(torch.uint8)] + [t.view(torch.uint8) for t in state.values()])

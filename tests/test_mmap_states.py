@@ -14,8 +14,9 @@ import torch
 import lightning_pure_bf16.optim.mmap_states as mmap_states
 from lightning_pure_bf16 import Adam, AdamW, StateStorageError
 from lightning_pure_bf16.ops import rng
-from lightning_pure_bf16.ops.adamw_cpu import adamw_update_cpu_, fused_cpu_available
-from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, adamw_update_torch_
+from lightning_pure_bf16.ops.algorithms import UpdateArgs
+from lightning_pure_bf16.ops.update_cpu import fused_cpu_available, update_cpu_
+from lightning_pure_bf16.ops.update_torch import update_torch_
 
 SHAPES = [(6,), (42, 3), (3000,), (431, 7), (0,), (5000,)]
 # Small chunks, so every tensor above 1024 elements streams through several chunks (and, on CUDA, both slots).
@@ -75,9 +76,9 @@ def _buffers(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 def _triton_update():
     pytest.importorskip("triton")
-    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
+    from lightning_pure_bf16.ops.update_triton import update_triton_
 
-    return adamw_update_triton_
+    return update_triton_
 
 
 def test_fused_cpu_loop_splits_pieces_at_the_2_32_index_boundary():
@@ -86,8 +87,8 @@ def test_fused_cpu_loop_splits_pieces_at_the_2_32_index_boundary():
     # Elements 2**32 - 1024 ... 2**32 + 1023 of a huge tensor: the high index word changes in the middle.
     offset = (1 << 32) - 1024
     a, b = _buffers(2048, seed=1), _buffers(2048, seed=1)
-    adamw_update_cpu_(*a[:4], None, _args("stochastic"), index_offset=offset)
-    adamw_update_torch_(*b[:4], None, _args("stochastic"), chunk_size=1024, index_offset=offset)
+    update_cpu_(a[0], a[1], a[2:4], None, _args("stochastic"), index_offset=offset)
+    update_torch_(b[0], b[1], b[2:4], None, _args("stochastic"), chunk_size=1024, index_offset=offset)
     for x, y in zip(a, b):
         assert torch.equal(_bits(x), _bits(y))
 
@@ -100,17 +101,19 @@ def test_pieces_at_any_offset_equal_the_whole_tensor(backend, rounding):
     if backend == "cpu" and not fused_cpu_available():
         pytest.skip("the fused CPU loop did not compile")
     update = {
-        "torch": lambda *a, **k: adamw_update_torch_(*a, chunk_size=1024, **k),
-        "cpu": adamw_update_cpu_,
+        "torch": lambda *a, **k: update_torch_(*a, chunk_size=1024, **k),
+        "cpu": update_cpu_,
         "triton": _triton_update() if backend == "triton" else None,
     }[backend]
     n, cuts = 5000, [0, 1, 7, 300, 1025, 1030, 2048, 3333, 4096, 4999, 5000]
     whole = _buffers(n, seed=2)
     pieces = [t.clone() for t in whole]
-    update(*whole[:4], whole[4] if rounding == "kahan" else None, _args(rounding))
+    update(whole[0], whole[1], whole[2:4], whole[4] if rounding == "kahan" else None, _args(rounding))
     for s, e in zip(cuts, cuts[1:]):
         chunk = [t[s:e] for t in pieces]
-        update(*chunk[:4], chunk[4] if rounding == "kahan" else None, _args(rounding), index_offset=s)
+        update(
+            chunk[0], chunk[1], chunk[2:4], chunk[4] if rounding == "kahan" else None, _args(rounding), index_offset=s
+        )
     for a, b in zip(whole, pieces):
         assert torch.equal(_bits(a), _bits(b))
 
@@ -119,21 +122,21 @@ def test_pieces_at_any_offset_equal_the_whole_tensor(backend, rounding):
 def test_a_piece_across_the_2_32_index_boundary_at_an_odd_offset(backend):
     """A piece whose index crosses 2**32 at an offset that is no power-of-two multiple: the torch path splits its
     chunks there and the Triton launcher its launches; both equal the fused CPU loop (or the torch path)."""
-    update = (lambda *a, **k: adamw_update_torch_(*a, chunk_size=1024, **k)) if backend == "torch" else _triton_update()
+    update = (lambda *a, **k: update_torch_(*a, chunk_size=1024, **k)) if backend == "torch" else _triton_update()
     offset = (1 << 32) - 777
     a, b = _buffers(2000, seed=3), _buffers(2000, seed=3)
-    update(*a[:4], None, _args("stochastic"), index_offset=offset)
-    reference = adamw_update_cpu_ if fused_cpu_available() else adamw_update_torch_
-    reference(*b[:4], None, _args("stochastic"), index_offset=offset)
+    update(a[0], a[1], a[2:4], None, _args("stochastic"), index_offset=offset)
+    reference = update_cpu_ if fused_cpu_available() else update_torch_
+    reference(b[0], b[1], b[2:4], None, _args("stochastic"), index_offset=offset)
     for x, y in zip(a, b):
         assert torch.equal(_bits(x), _bits(y))
 
 
 def test_bad_index_offsets_are_refused():
     buffers = _buffers(2048)
-    for update in (adamw_update_torch_, _triton_update()):
+    for update in (update_torch_, _triton_update()):
         with pytest.raises(ValueError, match="index_offset"):
-            update(*buffers[:4], None, _args("stochastic"), index_offset=-1)
+            update(buffers[0], buffers[1], buffers[2:4], None, _args("stochastic"), index_offset=-1)
 
 
 # --------------------------------------------------------------------------------------------- the optimizer

@@ -363,13 +363,13 @@ def test_unconvertible_state_dicts_are_refused_before_anything_changes():
 
 # ----------------------------------------------------------------------------------------------- kernel entries
 def test_cpu_loop_entry_checks_every_buffer():
-    import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+    import lightning_pure_bf16.ops.update_cpu as update_cpu
 
-    assert adamw_cpu.fused_cpu_available()
+    assert update_cpu.fused_cpu_available()
     p = torch.zeros(8, dtype=torch.bfloat16)
     good = [p, p.clone(), p.clone(), p.clone(), p.clone()]
     scalars = [0, True, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0, -1e-3, 1.0, 1.0, 1, 2, 3, 0]
-    adamw_cpu._extension.adamw_update_bf16(*good, *scalars)
+    update_cpu._extension.adamw_update_bf16(*good, *scalars)
     cases = {
         "must be bfloat16": [p, p, p.float(), p, p],
         "must be contiguous": [p, p, torch.zeros(16, dtype=torch.bfloat16)[::2], p, p],
@@ -377,27 +377,25 @@ def test_cpu_loop_entry_checks_every_buffer():
     }
     for message, buffers in cases.items():
         with pytest.raises(RuntimeError, match=message):
-            adamw_cpu._extension.adamw_update_bf16(*[b.clone() if b.is_contiguous() else b for b in buffers], *scalars)
+            update_cpu._extension.adamw_update_bf16(*[b.clone() if b.is_contiguous() else b for b in buffers], *scalars)
 
 
 def test_triton_launch_checks_every_buffer():
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or the Triton interpreter")
-    from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
-    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
+    from lightning_pure_bf16.ops.algorithms import UpdateArgs
+    from lightning_pure_bf16.ops.update_triton import update_triton_
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = torch.zeros(64, dtype=torch.bfloat16, device=device)
     args = UpdateArgs(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, "kahan", (1, 2, 3))
     with pytest.raises(ValueError, match="`kahan_comp` is not"):
-        adamw_update_triton_(
-            p, p.clone(), p.clone(), p.clone(), torch.zeros(128, dtype=p.dtype, device=device)[::2], args
-        )
+        update_triton_(p, p.clone(), (p.clone(), p.clone()), torch.zeros(128, dtype=p.dtype, device=device)[::2], args)
     with pytest.raises(ValueError, match="`exp_avg` has 32 elements, it needs 64"):
-        adamw_update_triton_(p, p.clone(), p[:32].clone(), p.clone(), p.clone(), args)
+        update_triton_(p, p.clone(), (p[:32].clone(), p.clone()), p.clone(), args)
     with pytest.raises(ValueError, match="needs bfloat16 `exp_avg_sq`"):
-        adamw_update_triton_(p, p.clone(), p.clone(), p.float(), p.clone(), args)
+        update_triton_(p, p.clone(), (p.clone(), p.float()), p.clone(), args)
 
 
 def test_a_torch_state_dict_loads_into_state_files(tmp_path):
@@ -450,7 +448,7 @@ def test_dtensor_layouts_the_update_cannot_take_are_refused_not_crashed_on(dtens
     """DTensor parameters train (tests/test_fsdp2.py); what cannot be trained is refused before anything changes."""
     from torch.distributed.tensor import DTensor, Partial
 
-    import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+    import lightning_pure_bf16.ops.update_cpu as update_cpu
 
     with pytest.raises(ValueError, match=r"state_storage='mmap'.*DTensor parameter of shape \(8, 4\).*'memory'"):
         AdamW([dtensor], backend=backend, state_storage="mmap", state_dir=".")
@@ -472,13 +470,13 @@ def test_dtensor_layouts_the_update_cannot_take_are_refused_not_crashed_on(dtens
         opt.step()
     assert len(opt.state[p]) == 0 and not p.any()
     # The loops refuse it too when called directly (the C++ loop took it for memory and crashed the process).
-    assert adamw_cpu.fused_cpu_available()
+    assert update_cpu.fused_cpu_available()
     scalars = [0, True, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0, -1e-3, 1.0, 1.0, 1, 2, 3, 0]
     plain = [torch.zeros(8, 4, dtype=torch.bfloat16) for _ in range(4)]
     with pytest.raises(RuntimeError, match="`param` is a tensor subclass with no memory of its own"):
-        adamw_cpu._extension.adamw_update_bf16(dtensor.detach(), *plain, *scalars)
+        update_cpu._extension.adamw_update_bf16(dtensor.detach(), *plain, *scalars)
     with pytest.raises(RuntimeError, match="tensor subclass with no memory"):
-        adamw_cpu._extension.any_nonfinite_bf16(dtensor.detach())
+        update_cpu._extension.any_nonfinite_bf16(dtensor.detach())
 
 
 def test_other_wrapper_subclasses_are_refused_by_the_optimizer_and_the_triton_launch():
@@ -488,12 +486,12 @@ def test_other_wrapper_subclasses_are_refused_by_the_optimizer_and_the_triton_la
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton interpreter")
-    from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
-    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
+    from lightning_pure_bf16.ops.algorithms import UpdateArgs
+    from lightning_pure_bf16.ops.update_triton import update_triton_
 
     args = UpdateArgs(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, "stochastic", (1, 2, 3))
     with pytest.raises(ValueError, match="`grad` is a _Wrapper, a tensor subclass without memory"):
-        adamw_update_triton_(inner.clone(), _Wrapper(inner), inner.clone(), inner.clone(), None, args)
+        update_triton_(inner.clone(), _Wrapper(inner), (inner.clone(), inner.clone()), None, args)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

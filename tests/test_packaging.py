@@ -59,9 +59,9 @@ def test_the_loop_builds_from_an_installed_package_after_a_killed_build_and_matc
     script = """
 import os, torch, lightning_pure_bf16
 from lightning_pure_bf16 import AdamW
-from lightning_pure_bf16.ops import adamw_cpu
+from lightning_pure_bf16.ops import update_cpu
 assert lightning_pure_bf16.__file__.startswith(os.environ["PYTHONPATH"]), lightning_pure_bf16.__file__
-assert adamw_cpu.fused_cpu_available(), adamw_cpu._failure
+assert update_cpu.fused_cpu_available(), update_cpu._failure
 out = []
 for backend in ("cpu", "torch"):
     p = torch.linspace(-1, 1, 1000).to(torch.bfloat16).requires_grad_()
@@ -70,7 +70,7 @@ for backend in ("cpu", "torch"):
     opt.step()
     out.append(p.detach().view(torch.int16))
 assert torch.equal(*out)
-print("built from", adamw_cpu.CSRC)
+print("built from", update_cpu.CSRC)
 """
     # The installed copy alone (not this checkout), with an extension cache of its own (a fresh build).
     env = {**os.environ, "PYTHONPATH": str(target), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_pure_bf16._log import global_rank
-from lightning_pure_bf16.optim import AdamW, register_construction_hook
+from lightning_pure_bf16.optim import PureBF16Optimizer, register_construction_hook
 
 # Class names of this package's optimizers built while a Hugging Face host prepares DeepSpeed, since the last step.
 _built: list[str] = []
@@ -49,7 +49,7 @@ def install() -> None:
         _construction_hook = register_construction_hook(_on_new_optimizer)
 
 
-def _on_new_optimizer(optimizer: AdamW) -> None:
+def _on_new_optimizer(optimizer: PureBF16Optimizer) -> None:
     global _step_hook
     if not host_prepares_deepspeed():
         return
@@ -60,7 +60,7 @@ def _on_new_optimizer(optimizer: AdamW) -> None:
 
 def _first_step_anywhere(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     global _step_hook
-    replaced = [] if isinstance(optimizer, AdamW) else list(_built)
+    replaced = [] if isinstance(optimizer, PureBF16Optimizer) else list(_built)
     _built.clear()
     if _step_hook is not None:
         _step_hook.remove()

@@ -113,6 +113,17 @@ def decode_v(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _expand(scales, codes.numel()) * _level(codes.to(torch.float32), V_LEVELS, 4)
 
 
+def encode_states(x: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor, slot: int) -> torch.Tensor:
+    """The codes of state slot ``slot`` of an algorithm: slot 0 signed (:func:`encode_m`), slot 1 non-negative
+    (:func:`encode_v`)."""
+    return (encode_v if slot else encode_m)(x, scales, bits)
+
+
+def decode_states(codes: torch.Tensor, scales: torch.Tensor, slot: int) -> torch.Tensor:
+    """The float32 values of state slot ``slot``'s codes (see :func:`encode_states`)."""
+    return (decode_v if slot else decode_m)(codes, scales)
+
+
 def reblock(
     codes: torch.Tensor, scales: torch.Tensor, *, second: bool, bits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,9 +181,11 @@ __all__ = [
     "block_scales",
     "decode_m",
     "decode_residual",
+    "decode_states",
     "decode_v",
     "encode_m",
     "encode_residual",
+    "encode_states",
     "encode_v",
     "reblock",
     "residual_unit",

@@ -3,8 +3,21 @@ is available, the 8-bit state format's decoders (checkpoints decode saved 8-bit 
 optimizer built (the layers above watch what a host does with it)."""
 
 from lightning_pure_bf16.ops import quant
-from lightning_pure_bf16.ops.adamw_cpu import fused_cpu_available
 from lightning_pure_bf16.ops.rng import rank_seed
-from lightning_pure_bf16.optim.adamw import Adam, AdamW, register_construction_hook
+from lightning_pure_bf16.ops.update_cpu import fused_cpu_available
+from lightning_pure_bf16.optim.adamw import Adam, AdamW
+from lightning_pure_bf16.optim.base import PureBF16Optimizer, register_construction_hook
+from lightning_pure_bf16.optim.lion import Lion
+from lightning_pure_bf16.optim.sgd import SGD
 
-__all__ = ["Adam", "AdamW", "fused_cpu_available", "quant", "rank_seed", "register_construction_hook"]
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Lion",
+    "PureBF16Optimizer",
+    "fused_cpu_available",
+    "quant",
+    "rank_seed",
+    "register_construction_hook",
+]

@@ -1,6 +1,7 @@
 """The pure-bf16 AdamW update of one tensor as a function: :func:`adamw` writes ``param`` and its states in place with
-the bits :class:`lightning_pure_bf16.AdamW`'s step writes (the optimizer calls it), for a caller that keeps the state
-itself, as torchao's and optimi's functional forms. Also the choice of backend and its checks, shared by both."""
+the bits :class:`lightning_pure_bf16.AdamW`'s step writes, for a caller that keeps the state itself, as torchao's
+and optimi's functional forms. Also what every optimizer's step uses: the choice of backend and its update function
+(one per backend for every algorithm, ``ops``), and the checks of parameters, gradients and gradient factors."""
 
 from __future__ import annotations
 
@@ -13,20 +14,10 @@ from typing import Any
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_pure_bf16.ops.adamw_cpu import (
-    adamw_update_cpu_,
-    any_nonfinite_cpu,
-    can_use_fused_cpu,
-    fused_cpu_available,
-)
-from lightning_pure_bf16.ops.adamw_torch import (
-    DEFAULT_CHUNK,
-    ROUNDING_MODES,
-    UpdateArgs,
-    adamw_update_torch_,
-    intercepts_operations,
-)
+from lightning_pure_bf16.ops.algorithms import ROUNDING_MODES, UpdateArgs
 from lightning_pure_bf16.ops.rng import Buffer, stream_key
+from lightning_pure_bf16.ops.update_cpu import any_nonfinite_cpu, can_use_fused_cpu, fused_cpu_available, update_cpu_
+from lightning_pure_bf16.ops.update_torch import DEFAULT_CHUNK, intercepts_operations, update_torch_
 from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.options import check_choice
 
@@ -90,12 +81,10 @@ def adamw(
         stream=stream,
         grad_scale=grad_scale,
     )
-    scales = {
-        k: v for k, v in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)) if v is not None
-    }
     update = update_function(resolve_backend(backend, param, grad), chunk_size)
     comp = kahan_comp if rounding == "kahan" else None
-    update(param, grad, exp_avg, exp_avg_sq, comp, args, index_offset=index_offset, **scales)
+    scales = (exp_avg_scale, exp_avg_sq_scale) if exp_avg_scale is not None else ()
+    update(param, grad, (exp_avg, exp_avg_sq), comp, args, scales=scales, index_offset=index_offset)
 
 
 def update_args(
@@ -107,11 +96,13 @@ def update_args(
     decoupled_weight_decay: bool,
     rounding: str,
     step: int,
-    seed: int,
-    stream: int,
+    seed: int = 0,
+    stream: int = 0,
+    keys: tuple[int, int, int] | None = None,
     grad_scale: float = 1.0,
 ) -> UpdateArgs:
-    """The scalars of one update (:class:`~lightning_pure_bf16.ops.adamw_torch.UpdateArgs`), its noise keys included."""
+    """The scalars of one Adam update (:class:`~lightning_pure_bf16.ops.algorithms.UpdateArgs`); ``keys``: its noise
+    keys, else those of ``seed``, ``stream`` and ``step``."""
     beta1, beta2 = betas
     return UpdateArgs(
         lr=float(lr),
@@ -122,7 +113,7 @@ def update_args(
         decoupled=bool(decoupled_weight_decay),
         step=step,
         rounding=rounding,
-        keys=tuple(stream_key(seed, stream, step, b) for b in Buffer),  # type: ignore[arg-type]
+        keys=keys or tuple(stream_key(seed, stream, step, b) for b in Buffer),  # type: ignore[arg-type]
         grad_scale=float(grad_scale),
     )
 
@@ -133,12 +124,13 @@ def triton_available() -> bool:
 
 
 def update_function(backend: str, chunk_size: int = DEFAULT_CHUNK) -> Callable[..., None]:
-    """The update of a resolved backend (``"triton"``, ``"cpu"``, ``"torch"``)."""
+    """The update of a resolved backend (``"triton"``, ``"cpu"``, ``"torch"``), for every algorithm: called as
+    ``update(param, grad, states, kahan_comp, args, scales=..., index_offset=...)``."""
     if backend == "triton":
         return _triton_update()
     if backend == "cpu":
-        return adamw_update_cpu_
-    return partial(adamw_update_torch_, chunk_size=chunk_size)
+        return update_cpu_
+    return partial(update_torch_, chunk_size=chunk_size)
 
 
 def resolve_backend(backend: str, p: torch.Tensor, grad: torch.Tensor, *, name: str = "adamw") -> str:
@@ -194,9 +186,9 @@ def _triton_update() -> Callable[..., None]:
         raise ModuleNotFoundError(
             f"`backend='triton'` needs Triton: {_TRITON_AVAILABLE.message}. `pip install triton`."
         )
-    from lightning_pure_bf16.ops.adamw_triton import adamw_update_triton_
+    from lightning_pure_bf16.ops.update_triton import update_triton_
 
-    return adamw_update_triton_
+    return update_triton_
 
 
 def refuse_subclass(name: str, t: torch.Tensor, what: str) -> None:

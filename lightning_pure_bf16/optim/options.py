@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_pure_bf16._log import rank_zero_warn
-from lightning_pure_bf16.ops.adamw_torch import ROUNDING_MODES
+from lightning_pure_bf16.ops.update_torch import ROUNDING_MODES
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 STATE_STORAGES = ("memory", "mmap")

@@ -20,15 +20,33 @@ from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.options import UNSUPPORTED_TORCH_OPTIONS
 
 if TYPE_CHECKING:
-    from lightning_pure_bf16.optim.adamw import AdamW
+    from lightning_pure_bf16.optim.base import PureBF16Optimizer as AdamW
 
-# State entries with one element per parameter element (what ``state_storage`` decides the place of).
-BUFFER_KEYS = ("exp_avg", "exp_avg_sq", "kahan_comp")
-# The block scales of 8-bit moments (one bf16 per ops.quant.QBLOCK elements).
-SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
-# Every state tensor that state_storage decides the place of.
-STORED_KEYS = (*BUFFER_KEYS, *SCALE_KEYS)
+# A tensor's state: "step" (an int64 counter), "stream" (its noise stream, an int), the algorithm's per-element
+# states (AdamW.state_names), the Kahan remainder, and the 8-bit states' block scales (one bf16 per ops.quant.QBLOCK
+# elements, under the state's name plus this suffix). Every tensor but "step" is a buffer state_storage places.
+KAHAN_KEY = "kahan_comp"
+_SCALE_SUFFIX = "_scale"
 EXTRA_KEY = "pure_bf16"
+
+
+def scale_key(key: str) -> str:
+    """The key of the block scales of the 8-bit state ``key``."""
+    return key + _SCALE_SUFFIX
+
+
+def is_scale_key(key: str) -> bool:
+    """Whether ``key`` names block scales."""
+    return key.endswith(_SCALE_SUFFIX)
+
+
+def stored_keys(state: dict[str, Any]) -> list[str]:
+    """The buffers of one tensor's state (what ``state_storage`` decides the place of): every tensor but the step."""
+    return [k for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)]
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor, slot: int) -> torch.Tensor:
+    return quant.decode_states(codes, scales, slot)
 
 
 @torch.no_grad()
@@ -50,45 +68,47 @@ def load_state_range(optimizer: AdamW, p: torch.Tensor, start: int, values: dict
     """
     state = optimizer.state[p]
     seed, offset = optimizer._noise(p)
-    n = next(v.numel() for k, v in values.items() if k in BUFFER_KEYS)
+    n = next(v.numel() for k, v in values.items() if not is_scale_key(k))
 
     def bits(buffer: Buffer) -> torch.Tensor:  # drawn only for what is encoded
         index = torch.arange(n, dtype=torch.int32, device=p.device)
         return random_bits(stream_key(seed, state["stream"], 0, buffer), offset + start, index)
 
-    for key in BUFFER_KEYS:
-        if key not in values:
+    for key in (*optimizer.state_names, KAHAN_KEY):
+        if key not in values or key not in state:
             continue
         value, target = values[key].reshape(-1).to(p.device), state[key].view(-1)
         weight = p.detach().reshape(-1).narrow(0, start, n)
-        if key == "kahan_comp" and target.is_floating_point() != value.is_floating_point():
-            if value.is_floating_point():
-                value = quant.encode_residual(value.float(), weight, bits(Buffer.PARAM))
-            else:
-                value = quant.decode_residual(value, weight)
-        if target.is_floating_point() or key == "kahan_comp":
-            if not value.is_floating_point() and key != "kahan_comp":  # 8-bit codes into a bf16 buffer
-                unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=p.device)
-                decode = quant.decode_v if key == "exp_avg_sq" else quant.decode_m
-                value = decode(value, unit) * values[f"{key}_scale"].reshape(-1).to(p.device).nan_to_num(nan=0.0)
+        if key == KAHAN_KEY:
+            if target.is_floating_point() != value.is_floating_point():
+                if value.is_floating_point():
+                    value = quant.encode_residual(value.float(), weight, bits(Buffer.PARAM))
+                else:
+                    value = quant.decode_residual(value, weight)
             target.narrow(0, start, n).copy_(value)
+            continue
+        slot = optimizer.state_names.index(key)
+        if target.is_floating_point():
+            if not value.is_floating_point():  # 8-bit codes into a bf16 buffer
+                unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=p.device)
+                value = _decode(value, unit, slot) * values[scale_key(key)].reshape(-1).to(p.device).nan_to_num(nan=0.0)
+            target.narrow(0, start, n).copy_(value)
+            continue
+        if start % quant.QBLOCK or (n % quant.QBLOCK and start + n != target.numel()):
+            raise ValueError(
+                f"load_state_range: 8-bit states are written in whole blocks of {quant.QBLOCK} elements; the"
+                f" range [{start}, {start + n}) of {target.numel()} does not start and end on one."
+            )
+        buffer = Buffer.EXP_AVG_SQ if slot else Buffer.EXP_AVG
+        if value.is_floating_point():
+            value = value.float()
+            scales = quant.block_scales(value)
+            codes = quant.encode_states(value, scales, bits(buffer), slot)
         else:
-            if start % quant.QBLOCK or (n % quant.QBLOCK and start + n != target.numel()):
-                raise ValueError(
-                    f"load_state_range: 8-bit moments are written in whole blocks of {quant.QBLOCK} elements; the"
-                    f" range [{start}, {start + n}) of {target.numel()} does not start and end on one."
-                )
-            second = key == "exp_avg_sq"
-            buffer = Buffer.EXP_AVG_SQ if second else Buffer.EXP_AVG
-            if value.is_floating_point():
-                value = value.float()
-                scales = quant.block_scales(value)
-                codes = (quant.encode_v if second else quant.encode_m)(value, scales, bits(buffer))
-            else:
-                own = values[f"{key}_scale"].reshape(-1).to(p.device)
-                codes, scales = quant.reblock(value, own, second=second, bits=bits(buffer))
-            target.narrow(0, start, n).copy_(codes)
-            state[f"{key}_scale"].narrow(0, start // quant.QBLOCK, scales.numel()).copy_(scales)
+            own = values[scale_key(key)].reshape(-1).to(p.device)
+            codes, scales = quant.reblock(value, own, second=bool(slot), bits=bits(buffer))
+        target.narrow(0, start, n).copy_(codes)
+        state[scale_key(key)].narrow(0, start // quant.QBLOCK, scales.numel()).copy_(scales)
 
 
 @torch.no_grad()
@@ -96,22 +116,20 @@ def dequantized(optimizer: AdamW, p: torch.Tensor) -> dict[str, torch.Tensor]:
     """:meth:`AdamW.dequantized_state`."""
     stored = optimizer.state.get(p, {})
     out: dict[str, torch.Tensor] = {}
-    if "exp_avg" not in stored:
-        return out
     state = {k: sharded.local(v) if isinstance(v, torch.Tensor) else v for k, v in stored.items()}
     p = sharded.local(p)
-    if state["exp_avg"].dtype == torch.int8:
-        out["exp_avg"] = quant.decode_m(state["exp_avg"].reshape(-1), state["exp_avg_scale"])
-        out["exp_avg_sq"] = quant.decode_v(state["exp_avg_sq"].reshape(-1), state["exp_avg_sq_scale"])
-    else:
-        out["exp_avg"] = state["exp_avg"].float()
-        out["exp_avg_sq"] = state["exp_avg_sq"].float()
-    if "kahan_comp" in state:
-        comp = state["kahan_comp"]
+    for slot, key in enumerate(optimizer.state_names):
+        if key in state:
+            value = state[key]
+            out[key] = (
+                value.float() if value.is_floating_point() else _decode(value.reshape(-1), state[scale_key(key)], slot)
+            )
+    if KAHAN_KEY in state:
+        comp = state[KAHAN_KEY]
         if comp.dtype == torch.int8:
-            out["kahan_comp"] = quant.decode_residual(comp.reshape(-1), p.detach().reshape(-1))
+            out[KAHAN_KEY] = quant.decode_residual(comp.reshape(-1), p.detach().reshape(-1))
         else:
-            out["kahan_comp"] = comp.float()
+            out[KAHAN_KEY] = comp.float()
     return {k: v.reshape(p.shape) for k, v in out.items()}
 
 
@@ -186,35 +204,41 @@ def load_state_dict(optimizer: AdamW, state_dict: dict[str, Any]) -> None:
 
 
 def _from_torch_state_dict(optimizer: AdamW, sd: dict[str, Any]) -> dict[str, Any]:
-    """A ``torch.optim.AdamW``/``Adam`` state dict made loadable: this optimizer's group options with the saved
-    hyperparameters (checked first, before anything changes)."""
+    """A state dict of the torch.optim optimizer of the same algorithm (``torch.optim.AdamW``/``Adam`` for
+    :class:`AdamW`/:class:`Adam`, ``torch.optim.SGD`` for :class:`SGD`) made loadable: this optimizer's group options
+    with the saved hyperparameters (checked first, before anything changes), each tensor's state as this optimizer
+    keeps it (``from_torch_state``)."""
     name = type(optimizer).__name__
     saved_groups = sd.get("param_groups")
     states = sd.get("state")
     if not isinstance(saved_groups, list) or not isinstance(states, dict):
         raise KeyError(f"{name}.load_state_dict: this is not an optimizer state dict (no 'state' and 'param_groups').")
     keys = {k for st in states.values() for k in st}
-    if not keys <= {"step", "exp_avg", "exp_avg_sq"} or any(
+    if not keys <= {"step", *optimizer.state_names} or any(
         g.get(option, off) != off for g in saved_groups for option, off in UNSUPPORTED_TORCH_OPTIONS.items()
     ):
         raise KeyError(
-            f"{name}.load_state_dict: this state dict has no {EXTRA_KEY!r} entry and is not a plain"
-            f" torch.optim.AdamW/Adam one (state keys {sorted(keys)}; amsgrad, maximize, capturable and"
-            " differentiable must be off), so it cannot be converted."
+            f"{name}.load_state_dict: this state dict has no {EXTRA_KEY!r} entry and is not a plain torch.optim one"
+            f" of the same algorithm (state keys {sorted(keys)}, expected among"
+            f" {sorted({'step', *optimizer.state_names})}; amsgrad, maximize, capturable and differentiable must be"
+            " off), so it cannot be converted."
         )
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
     groups = []
     for ours, saved in zip(optimizer.param_groups, saved_groups):
-        decoupled = saved.get("decoupled_weight_decay", ours["decoupled_weight_decay"])
-        if decoupled != ours["decoupled_weight_decay"] and saved.get("weight_decay", 0.0) != 0.0:
+        decoupled = saved.get("decoupled_weight_decay", ours.get("decoupled_weight_decay"))
+        if decoupled != ours.get("decoupled_weight_decay") and saved.get("weight_decay", 0.0) != 0.0:
             kind = "decoupled (AdamW)" if decoupled else "L2 (Adam)"
             raise ValueError(
                 f"{name}.load_state_dict: the saved optimizer used {kind} weight decay, this one does not. Load"
                 f" it into lightning_pure_bf16.{'AdamW' if decoupled else 'Adam'} instead."
             )
         group = {k: v for k, v in ours.items() if k not in ("params", "param_names")}
-        group.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay") if k in saved})
+        # The algorithm's hyperparameters as saved; this optimizer's own options (rounding) stay.
+        group.update(
+            {k: saved[k] for k in optimizer.defaults if k in saved and k not in ("rounding", "decoupled_weight_decay")}
+        )
         group.update({k: saved[k] for k in ("params", "param_names") if k in saved})
         if "initial_lr" in saved:  # set by an LR scheduler
             group["initial_lr"] = saved["initial_lr"]
@@ -224,7 +248,10 @@ def _from_torch_state_dict(optimizer: AdamW, sd: dict[str, Any]) -> dict[str, An
         f" moments rounded to the parameters' dtype, rounding seed {optimizer.seed},"
         f" rounding={optimizer.param_groups[0]['rounding']!r}."
     )
-    return {**sd, "param_groups": groups}
+    convert = getattr(optimizer, "from_torch_state", None)
+    if convert is not None:
+        states = {index: convert(st) for index, st in states.items()}
+    return {**sd, "state": states, "param_groups": groups}
 
 
 def _check_saved_formats(optimizer: AdamW, sd: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.dtype]]]:
@@ -238,8 +265,8 @@ def _check_saved_formats(optimizer: AdamW, sd: dict[str, Any]) -> list[tuple[tor
     for index, p in zip(saved_ids, params):
         st = sd.get("state", {}).get(index, {})
         dtypes = {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
-        saved_int8 = dtypes.get("exp_avg") == torch.int8
-        if saved_int8 and not optimizer._int8_moments(p):
+        saved_int8 = any(dtypes.get(k) in (torch.int8, torch.uint8) for k in optimizer.state_names)
+        if saved_int8 and not optimizer.int8_states(p):
             raise ValueError(
                 f"{name}.load_state_dict: the state dict holds 8-bit moments (saved with moments='int8'), this"
                 f" optimizer keeps moments={optimizer.moments!r}. Create it with `moments='int8'`."
@@ -263,7 +290,7 @@ def _restore_formats(optimizer: AdamW, saved: list[tuple[torch.Tensor, dict[str,
                 state[key] = state[key].to(dtype)
         if sharded.is_dtensor(p):
             _compact_scales(optimizer, p, state)
-        present = {k: state[k] for k in STORED_KEYS if k in state}
+        present = {k: state[k] for k in stored_keys(state)}
         state.update(encode_float_buffers(optimizer, p, state["stream"], present))
 
 
@@ -272,7 +299,7 @@ def _compact_scales(optimizer: AdamW, p: torch.Tensor, state: dict[str, Any]) ->
     element (so DCP can reshard it like the parameter): back to one scale per block of this rank's shard. Saved at
     the same sharding, every block's elements carry one scale and the codes stay as they were, bit for bit; saved
     at another, the moments are decoded with each element's own scale and encoded again in this rank's blocks."""
-    per_element = {k: state[k] for k in SCALE_KEYS if sharded.is_dtensor(state.get(k))}
+    per_element = {k: state[k] for k in stored_keys(state) if is_scale_key(k) and sharded.is_dtensor(state[k])}
     if not per_element:
         return
     n = sharded.local(p).numel()
@@ -281,13 +308,15 @@ def _compact_scales(optimizer: AdamW, p: torch.Tensor, state: dict[str, Any]) ->
     if all(torch.equal(compact[k].repeat_interleave(quant.QBLOCK)[:n], scales[k]) for k in scales):
         state.update(compact)
         return
-    for key, decode in (("exp_avg", quant.decode_m), ("exp_avg_sq", quant.decode_v)):
+    for slot, key in enumerate(optimizer.state_names):
+        if scale_key(key) not in scales:
+            continue
         codes = sharded.local(state[key]).reshape(-1)
         unit = torch.ones(quant.scale_blocks(n), dtype=torch.bfloat16, device=codes.device)
-        values = decode(codes, unit) * scales[f"{key}_scale"].float()
+        values = _decode(codes, unit, slot) * scales[scale_key(key)].float()
         # Floats, encoded in this rank's blocks by encode_float_buffers.
         state[key] = sharded.like(values.view(sharded.local(p).shape), p)
-        del state[f"{key}_scale"]
+        del state[scale_key(key)]
 
 
 def encode_float_buffers(
@@ -301,25 +330,26 @@ def encode_float_buffers(
     step_keys = [stream_key(seed, stream, 0, b) for b in Buffer]
     idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device)
     changed = set()
-    if optimizer._int8_moments(p) and "exp_avg" in out and out["exp_avg"].is_floating_point():
-        m = out.pop("exp_avg").float().reshape(-1).to(p.device)
-        v = out.pop("exp_avg_sq").float().reshape(-1).to(p.device)
-        m_scale, v_scale = quant.block_scales(m), quant.block_scales(v)
-        out["exp_avg"] = quant.encode_m(m, m_scale, random_bits(step_keys[1], offset, idx)).view(p.shape)
-        out["exp_avg_sq"] = quant.encode_v(v, v_scale, random_bits(step_keys[2], offset, idx)).view(p.shape)
-        out["exp_avg_scale"], out["exp_avg_sq_scale"] = m_scale, v_scale
-        changed |= {"exp_avg", "exp_avg_sq"}
-    comp = out.get("kahan_comp")
+    if optimizer.int8_states(p):
+        for slot, key in enumerate(optimizer.state_names):
+            if key not in out or not out[key].is_floating_point():
+                continue
+            value = out.pop(key).float().reshape(-1).to(p.device)
+            out[scale_key(key)] = scales = quant.block_scales(value)
+            bits = random_bits(step_keys[1 + slot], offset, idx)
+            out[key] = quant.encode_states(value, scales, bits, slot).view(p.shape)
+            changed.add(key)
+    comp = out.get(KAHAN_KEY)
     if comp is not None and optimizer.compensation == "int8" and comp.is_floating_point():
         c = comp.float().reshape(-1).to(p.device)
         codes = quant.encode_residual(c, p.detach().reshape(-1), random_bits(step_keys[0], offset, idx))
-        out["kahan_comp"] = codes.view(p.shape)
-        changed.add("kahan_comp")
+        out[KAHAN_KEY] = codes.view(p.shape)
+        changed.add(KAHAN_KEY)
     if not dtensor:
         return out
     # A DTensor parameter's element-wise buffers stay DTensors sharded like it; its block scales are this rank's.
     return {
-        k: v if k in SCALE_KEYS else buffers[k] if k not in changed else sharded.like(v, param) for k, v in out.items()
+        k: v if is_scale_key(k) else buffers[k] if k not in changed else sharded.like(v, param) for k, v in out.items()
     }
 
 
@@ -336,9 +366,9 @@ def check_saved_buffers(optimizer: AdamW, state_dict: dict[str, Any]) -> dict[to
     out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     for index, st in state_dict["state"].items():
         p = by_id[index]
-        buffers = {k: v for k, v in st.items() if k in STORED_KEYS}
+        buffers = {k: st[k] for k in stored_keys(st)}
         for key, value in buffers.items():
-            numel, dtype = optimizer._buffer_spec(p, key)
+            numel, dtype = optimizer.buffer_spec(p, key)
             if not isinstance(value, torch.Tensor) or value.numel() != numel:
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(
@@ -373,27 +403,28 @@ def saveable(state: dict[str, Any]) -> dict[str, Any]:
 def _per_element_scales(p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
     """One tensor's state with its 8-bit block scales repeated for every element of its shard, as a DTensor sharded
     like the DTensor ``p`` (see :meth:`AdamW.state_dict`); other states unchanged."""
-    if not sharded.is_dtensor(p) or not any(k in state for k in SCALE_KEYS):
+    scale_keys = [k for k in stored_keys(state) if is_scale_key(k)]
+    if not sharded.is_dtensor(p) or not scale_keys:
         return state
     shard = sharded.local(p)
     out = dict(state)
-    for key in SCALE_KEYS:
-        if key in state:
-            per_element = state[key].repeat_interleave(quant.QBLOCK)[: shard.numel()].view(shard.shape)
-            out[key] = sharded.like(per_element, p)
+    for key in scale_keys:
+        per_element = state[key].repeat_interleave(quant.QBLOCK)[: shard.numel()].view(shard.shape)
+        out[key] = sharded.like(per_element, p)
     return out
 
 
 __all__ = [
-    "BUFFER_KEYS",
     "EXTRA_KEY",
-    "SCALE_KEYS",
-    "STORED_KEYS",
+    "KAHAN_KEY",
     "check_saved_buffers",
     "dequantized",
     "encode_float_buffers",
+    "is_scale_key",
     "load_state_dict",
     "load_state_range",
     "saveable",
+    "scale_key",
     "state_dict",
+    "stored_keys",
 ]

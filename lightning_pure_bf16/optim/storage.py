@@ -17,20 +17,19 @@ from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.mmap_states import MmapStateStore, StateStreamer, check_state_dir, read_ahead
 from lightning_pure_bf16.optim.state_dicts import (
-    BUFFER_KEYS,
-    SCALE_KEYS,
-    STORED_KEYS,
     check_saved_buffers,
     encode_float_buffers,
+    is_scale_key,
     saveable,
+    stored_keys,
 )
 
 if TYPE_CHECKING:
-    from lightning_pure_bf16.optim.adamw import AdamW
+    from lightning_pure_bf16.optim.base import PureBF16Optimizer as AdamW
 
-# The update of one tensor or range: :func:`lightning_pure_bf16.optim.functional.adamw` with the step's scalars bound,
-# called as ``run(param, grad, exp_avg, exp_avg_sq, index_offset=..., **other_states)``.
-Run = Callable[..., None]
+# The update of one tensor or range with the step's scalars bound, called as ``update(param, grad, states,
+# index_offset)``, ``states`` keyed as the optimizer's state.
+Update = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int], None]
 # A state buffer to make: its key, elements and dtype.
 Spec = tuple[str, int, torch.dtype]
 
@@ -45,15 +44,8 @@ def _ranges(
         return param, grad, states
     end = start + n
     blocks = slice(start // quant.QBLOCK, -(-end // quant.QBLOCK))
-    pieces = {k: v[blocks] if k in SCALE_KEYS else v.view(-1)[start:end] for k, v in states.items()}
+    pieces = {k: v[blocks] if is_scale_key(k) else v.view(-1)[start:end] for k, v in states.items()}
     return param.view(-1)[start:end], grad.reshape(-1), pieces
-
-
-def _call(
-    run: Run, param: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], index_offset: int
-) -> None:
-    others = {k: v for k, v in states.items() if k not in ("exp_avg", "exp_avg_sq")}
-    run(param, grad, states["exp_avg"], states["exp_avg_sq"], index_offset=index_offset, **others)
 
 
 class InMemory:
@@ -76,7 +68,7 @@ class InMemory:
         for p, state, specs in pending:
             shard = sharded.local(p)
             for key, numel, dtype in specs:
-                block_scales = key in SCALE_KEYS
+                block_scales = is_scale_key(key)
                 buffer = torch.zeros((numel,) if block_scales else shard.shape, dtype=dtype, device=shard.device)
                 state[key] = buffer if block_scales else sharded.like_if_sharded(buffer, p)
 
@@ -85,7 +77,7 @@ class InMemory:
 
     def update(
         self,
-        run: Run,
+        run: Update,
         param: torch.Tensor,
         grad: torch.Tensor,
         states: dict[str, torch.Tensor],
@@ -97,7 +89,7 @@ class InMemory:
         """``run`` on elements ``[start, start + grad.numel())`` of ``param`` and its ``states`` (local tensors, whole,
         the ones this update writes), the first of them drawing the random bits of element ``index_offset``."""
         param, grad, states = _ranges(param, grad, states, start, flat=False)
-        _call(run, param, grad, states, index_offset)
+        run(param, grad, states, index_offset)
 
     def wait_for_writes(self) -> None:
         """Every write is done when the update returns."""
@@ -167,7 +159,7 @@ class InFiles:
         created = self.store.allocate([(state["stream"], [(n, d) for _, n, d in specs]) for _, state, specs in pending])
         for p, state, specs in pending:
             for (key, _, _), flat in zip(specs, created[state["stream"]]):
-                state[key] = flat if key in SCALE_KEYS else flat.view(p.shape)
+                state[key] = flat if is_scale_key(key) else flat.view(p.shape)
 
     def verify(self, states: Iterable[dict[str, Any]]) -> None:
         """Every file still has its size and identity (one ``stat`` each), before any buffer changes."""
@@ -176,7 +168,7 @@ class InFiles:
 
     def update(
         self,
-        run: Run,
+        run: Update,
         param: torch.Tensor,
         grad: torch.Tensor,
         states: dict[str, torch.Tensor],
@@ -192,15 +184,15 @@ class InFiles:
             # The backward reaches a partition's parameters in the reverse of their order, and the kernel's readahead
             # follows a file forward: the states just before this range are asked for now (asynchronously), to be
             # read from the disk while this range is updated.
-            read_ahead([states[k].view(-1)[max(0, start - n) : start] for k in BUFFER_KEYS if k in states])
+            read_ahead([v.view(-1)[max(0, start - n) : start] for k, v in states.items() if not is_scale_key(k)])
         whole = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
         flat, grad, pieces = _ranges(whole, grad, states, start, flat=True)
         keys = list(pieces)
-        specs = tuple((pieces[k].dtype, quant.QBLOCK if k in SCALE_KEYS else 1) for k in keys)
+        specs = tuple((pieces[k].dtype, quant.QBLOCK if is_scale_key(k) else 1) for k in keys)
         # Slots as large as the largest tensor seen (a power of two), at most `chunk`: small models do not pay for
         # 8 MiB slots. 8-bit moments stream whole scale blocks.
         chunk = min(self.chunk, 1 << max(whole.numel() - 1, 1).bit_length())
-        if any(k in SCALE_KEYS for k in keys):
+        if any(is_scale_key(k) for k in keys):
             chunk = max(chunk, quant.QBLOCK)
         streamer = self.streamers.get((param.device, specs))
         if streamer is None or streamer.chunk < chunk:
@@ -212,7 +204,7 @@ class InFiles:
             return (dict(zip(keys, chunks)),)
 
         def call(param_chunk, grad_chunk, chunk_states, index_offset):  # noqa: ANN001, ANN202
-            _call(run, param_chunk, grad_chunk, chunk_states, index_offset)
+            run(param_chunk, grad_chunk, chunk_states, index_offset)
 
         streamer.update(call, flat, grad, [pieces[k] for k in keys], forward, index_offset, defer_writes)
         if not param.is_contiguous():
@@ -227,8 +219,8 @@ class InFiles:
         """Remove the files and stop the streaming threads (idempotent); the states lose their buffers."""
         self._finalizer()
         for state in states:
-            for key in STORED_KEYS:
-                state.pop(key, None)
+            for key in stored_keys(state):
+                del state[key]
         self.closed = True
 
     def saveable(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +231,8 @@ class InFiles:
         ``state_dict["state"]``: they go into fresh files (:meth:`put_saved`), not through the device."""
         taken = check_saved_buffers(optimizer, state_dict)
         state_dict["state"] = {
-            index: {k: v for k, v in st.items() if k not in STORED_KEYS} for index, st in state_dict["state"].items()
+            index: {k: v for k, v in st.items() if k not in stored_keys(st)}
+            for index, st in state_dict["state"].items()
         }
         return taken
 
@@ -257,9 +250,7 @@ class InFiles:
 
     def adopt_copy(self, optimizer: AdamW) -> None:
         """A copy's moments arrive as plain tensors (see :meth:`__getstate__`): they move into files of its own."""
-        self.put_saved(
-            optimizer, {p: {k: st.pop(k) for k in STORED_KEYS if k in st} for p, st in optimizer.state.items()}
-        )
+        self.put_saved(optimizer, {p: {k: st.pop(k) for k in stored_keys(st)} for p, st in optimizer.state.items()})
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, ``pickle``) makes files of its own under the same ``state_dir``; the original's

@@ -67,9 +67,9 @@ class CaptureOptimizerState(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if "cpu_loop_ready_at_first_step" not in self.captured:
-            import lightning_pure_bf16.ops.adamw_cpu as adamw_cpu
+            import lightning_pure_bf16.ops.update_cpu as update_cpu
 
-            self.captured["cpu_loop_ready_at_first_step"] = adamw_cpu._extension is not None
+            self.captured["cpu_loop_ready_at_first_step"] = update_cpu._extension is not None
 
     def on_train_end(self, trainer, pl_module) -> None:
         strat = trainer.strategy
@@ -394,7 +394,7 @@ def _count_update_calls() -> list:
     import lightning_pure_bf16.optim.functional as adamw_module  # where the optimizer finds its backends
 
     calls = []
-    for name in ("adamw_update_cpu_", "adamw_update_torch_"):
+    for name in ("update_cpu_", "update_torch_"):
         original = getattr(adamw_module, name)
 
         def counted(param, *args, _original=original, **kwargs):

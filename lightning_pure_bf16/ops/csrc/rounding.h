@@ -3,8 +3,15 @@
 #pragma once
 
 #if !defined(MIX_MUL1) || !defined(MIX_MUL2) || !defined(MIX_SHIFT1) || !defined(MIX_SHIFT2) || !defined(MIX_SHIFT3)
-#error "the hash constants come from ops/rng.py as defines (ops/adamw_cpu.py passes them)"
+#error "the hash constants come from ops/rng.py as defines (ops/update_cpu.py passes them)"
 #endif
+#if !defined(ROUNDING_NEAREST) || !defined(ROUNDING_STOCHASTIC) || !defined(ROUNDING_KAHAN) || \
+    !defined(ALGORITHM_LION) || !defined(ALGORITHM_SGD)
+#error "the rounding and algorithm codes come from ops/algorithms.py as defines (ops/update_cpu.py passes them)"
+#endif
+// The loops' template argument ROUNDING spells the codes as 0, 1, 2: they must be ops.algorithms.ROUNDING_CODES.
+static_assert(ROUNDING_NEAREST == 0 && ROUNDING_STOCHASTIC == 1 && ROUNDING_KAHAN == 2,
+              "the loops number the roundings as ops.algorithms.ROUNDING_CODES did");
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

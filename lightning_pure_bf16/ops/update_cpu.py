@@ -1,5 +1,6 @@
-"""The fused CPU loop of the pure-bf16 Adam/AdamW update: one pass over p, g, m, v (and the Kahan buffer), and a
-one-pass check of bf16 gradients for inf/NaN.
+"""The fused CPU loops of the pure-bf16 update: one pass over p, g and the states (and the Kahan buffer) per tensor,
+and a one-pass check of bf16 gradients for inf/NaN. Adam has loops of its own, vectorized by hand; the other
+algorithms of the family (``csrc/algorithms.h``) run in one generic loop (``csrc/elementwise.cpp``).
 
 C++ in ``ops/csrc/`` (shipped with the package), compiled on first use with ``torch.utils.cpp_extension.load`` (a C++
 compiler and ninja are needed; without them the optimizer falls back to the chunked PyTorch path, with a warning).
@@ -23,6 +24,7 @@ import hashlib
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from lightning_pure_bf16.ops import rng
-from lightning_pure_bf16.ops.adamw_torch import UpdateArgs
-
-_ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2}
-
+from lightning_pure_bf16.ops.algorithms import ROUNDING_CODES, Algorithm, Args, hyper_scalars
 
 _extension: Any = None
 _failure: str | None = None
@@ -41,17 +40,20 @@ _failure: str | None = None
 
 # The C++ sources (package data), one translation unit for the loops and one for the Python bindings.
 CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("adamw_cpu.cpp", "bindings.cpp")
+_SOURCES = ("update_cpu.cpp", "elementwise.cpp", "bindings.cpp")
 
 
 def hash_defines() -> list[str]:
-    """The hash's constants as compiler defines: ``ops/rng.py`` is their one source; the C++ names them only."""
+    """The hash's constants, the rounding codes and the algorithm codes as compiler defines: ``ops/rng.py`` and
+    ``ops/algorithms.py`` are their one source; the C++ names them only."""
     defines = {
         "MIX_MUL1": f"{rng.MIX_MUL1:#x}u",
         "MIX_MUL2": f"{rng.MIX_MUL2:#x}u",
         "MIX_SHIFT1": str(rng.MIX_SHIFT1),
         "MIX_SHIFT2": str(rng.MIX_SHIFT2),
         "MIX_SHIFT3": str(rng.MIX_SHIFT3),
+        **{f"ROUNDING_{name.upper()}": str(code) for name, code in ROUNDING_CODES.items()},
+        **{f"ALGORITHM_{a.name}": str(int(a)) for a in Algorithm},
     }
     return [f"-D{k}={v}" for k, v in defines.items()]
 
@@ -114,7 +116,7 @@ def fused_cpu_available() -> bool:
         for suffix, openmp in (("", ["-fopenmp"]), ("_serial", [])):
             try:
                 _extension = _load_under_lock(
-                    f"lightning_pure_bf16_adamw_cpu_v25_{capability.lower()}{suffix}",
+                    f"lightning_pure_bf16_update_cpu_v26_{capability.lower()}{suffix}",
                     sources=[str(CSRC / name) for name in _SOURCES],
                     extra_include_paths=[str(CSRC)],
                     extra_cflags=[*flags, *hash_defines(), *openmp],
@@ -147,34 +149,53 @@ def any_nonfinite_cpu(grad: torch.Tensor) -> bool:
     return grad.numel() > 0 and bool(_extension.any_nonfinite_bf16(grad))
 
 
-def adamw_update_cpu_(
+def update_cpu_(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    states: Sequence[torch.Tensor],
     kahan_comp: torch.Tensor | None,
-    args: UpdateArgs,
+    args: Args,
     *,
+    scales: Sequence[torch.Tensor | None] = (),
     index_offset: int = 0,
-    exp_avg_scale: torch.Tensor | None = None,
-    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW step in place, one pass; same contract and bits as ``adamw_update_torch_`` (bf16, CPU),
-    8-bit states included.
+    """One step of ``args.algorithm`` in place, one pass; same contract and bits as
+    :func:`~lightning_pure_bf16.ops.update_torch.update_torch_` (bf16, CPU), 8-bit states included.
 
     ``index_offset``: index of the first element in the whole tensor when the buffers are one piece of it.
     """
     if param.numel() == 0:
         return
-    # The step's scalars, the same for both loops; the loops ignore the placeholders of absent buffers.
-    step = (_ROUNDING_CODES[args.rounding], args.decoupled, *args.scalars, *args.keys, index_offset)
-    comp = kahan_comp if kahan_comp is not None else param
-    if exp_avg_scale is not None or comp.dtype == torch.int8:
-        m_scale = exp_avg_scale if exp_avg_scale is not None else param
-        v_scale = exp_avg_sq_scale if exp_avg_sq_scale is not None else param
+    rounding = ROUNDING_CODES[args.rounding]
+    comp = kahan_comp if kahan_comp is not None else param  # the loops ignore the placeholders of absent buffers
+    q8 = any(sc is not None for sc in scales)
+    if args.algorithm is not Algorithm.ADAM:
+        state, scale = (states[0], scales[0] if q8 else param) if states else (param, param)
+        hyper = hyper_scalars(args)
+        _extension.update_elementwise(
+            int(args.algorithm),
+            len(states),
+            args.variant,
+            rounding,
+            param,
+            grad,
+            state,
+            scale,
+            comp,
+            list(hyper[:-1]),
+            hyper[-1],
+            args.keys[0],
+            args.keys[1],
+            index_offset,
+        )
+        return
+    step = (rounding, args.decoupled, *args.scalars, *args.keys, index_offset)
+    exp_avg, exp_avg_sq = states
+    if q8 or comp.dtype == torch.int8:
+        m_scale, v_scale = scales if q8 else (param, param)
         _extension.adamw_update_q8(param, grad, exp_avg, exp_avg_sq, m_scale, v_scale, comp, *step)
     else:
         _extension.adamw_update_bf16(param, grad, exp_avg, exp_avg_sq, comp, *step)
 
 
-__all__ = ["adamw_update_cpu_", "any_nonfinite_cpu", "can_use_fused_cpu", "fused_cpu_available"]
+__all__ = ["any_nonfinite_cpu", "can_use_fused_cpu", "fused_cpu_available", "update_cpu_"]

@@ -1,12 +1,15 @@
-"""The fused Triton kernel of the pure-bf16 Adam/AdamW update: one launch per parameter tensor or flat partition.
+"""The fused Triton kernel of the pure-bf16 update, for every algorithm of the family: one launch per parameter
+tensor or flat partition.
 
-Reads p, g, m, v (and the Kahan buffer) once, computes in fp32 registers, writes each buffer once with stochastic
-rounding (random bits from ``ops.rng``) or round-to-nearest-even. Rounding is done on integer bit patterns, because
-the Triton interpreter (how the CPU tests run this kernel) truncates in its float-to-bf16 cast.
+Reads p, g and the states (and the Kahan buffer) once, computes in fp32 registers, writes each buffer once with
+stochastic rounding (random bits from ``ops.rng``) or round-to-nearest-even. Rounding is done on integer bit patterns,
+because the Triton interpreter (how the CPU tests run this kernel) truncates in its float-to-bf16 cast. Each
+algorithm is one ``@triton.jit`` helper (``_adam_update``, ``_lion_update``, ``_sgd_update``), chosen at compile time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -14,7 +17,8 @@ import triton
 import triton.language as tl
 
 from lightning_pure_bf16.ops import quant, rng
-from lightning_pure_bf16.ops.adamw_torch import UpdateArgs, intercepts_operations
+from lightning_pure_bf16.ops.algorithms import ROUNDING_CODES, Algorithm, Args, hyper_scalars
+from lightning_pure_bf16.ops.update_torch import intercepts_operations
 
 # 1024 elements per program: 2 warps x 32 lanes x 16 elements, two 16-byte bf16 vectors per lane and buffer on the
 # GPU. Sixteen elements a thread rather than eight: the per-thread setup and the slow paths of the correctly rounded
@@ -28,10 +32,11 @@ _SHIFT1: tl.constexpr = tl.constexpr(rng.MIX_SHIFT1)
 _SHIFT2: tl.constexpr = tl.constexpr(rng.MIX_SHIFT2)
 _SHIFT3: tl.constexpr = tl.constexpr(rng.MIX_SHIFT3)
 
-_ROUND_NEAREST: tl.constexpr = tl.constexpr(0)
-_ROUND_STOCHASTIC: tl.constexpr = tl.constexpr(1)
-_ROUND_KAHAN: tl.constexpr = tl.constexpr(2)
-_ROUNDING_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2}
+_ROUND_NEAREST: tl.constexpr = tl.constexpr(ROUNDING_CODES["nearest"])
+_ROUND_STOCHASTIC: tl.constexpr = tl.constexpr(ROUNDING_CODES["stochastic"])
+_ROUND_KAHAN: tl.constexpr = tl.constexpr(ROUNDING_CODES["kahan"])
+_ADAM: tl.constexpr = tl.constexpr(int(Algorithm.ADAM))
+_LION: tl.constexpr = tl.constexpr(int(Algorithm.LION))
 
 
 @triton.jit
@@ -118,6 +123,33 @@ def _adam_update(
     return m, v, delta
 
 
+@triton.jit
+def _lion_update(p, g, m, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr, decay, DECAY: tl.constexpr):
+    """Lion's fp32 step: the new momentum and the update, the sign of the interpolation (0 for 0 and NaN)."""
+    c = beta1 * m + one_minus_beta1 * g
+    m = beta2 * m + one_minus_beta2 * g
+    delta = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0)) * neg_lr
+    if DECAY:
+        delta = delta - decay * p
+    return m, delta
+
+
+@triton.jit
+def _sgd_update(p, g, buf, weight_decay, keep, take, momentum, neg_lr, MOMENTUM: tl.constexpr, VARIANT: tl.constexpr):
+    """SGD's fp32 step: the new momentum buffer (with ``MOMENTUM``) and the update; ``VARIANT`` bit 0: L2 weight decay,
+    bit 1: Nesterov."""
+    if VARIANT % 2 == 1:
+        g = g + weight_decay * p
+    d = g
+    if MOMENTUM:
+        buf = keep * buf + take * g
+        if VARIANT // 2 == 1:
+            d = g + momentum * buf
+        else:
+            d = buf
+    return buf, d * neg_lr
+
+
 # ------------------------------------------------------------------------------------------------ 8-bit state codes
 # ops/quant.py specifies the codes; these are its operations, in its order, one rounding each.
 _QBLOCK: tl.constexpr = tl.constexpr(quant.QBLOCK)
@@ -180,7 +212,7 @@ def _residual_unit(p):
 
 # ------------------------------------------------------------------------------------------------------- the kernel
 @triton.jit(do_not_specialize=["word_p", "word_m", "word_v", "index_offset"])
-def _adamw_kernel(
+def _update_kernel(
     p_ptr,
     g_ptr,
     m_ptr,
@@ -189,34 +221,38 @@ def _adamw_kernel(
     vs_ptr,
     c_ptr,
     n_elements,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    eps,
-    weight_decay,
-    decay,
-    neg_step_size,
-    inv_bias_correction2_sqrt,
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    h6,
+    h7,
+    h8,
     grad_scale,
     word_p,
     word_m,
     word_v,
     index_offset,
+    ALGORITHM: tl.constexpr,
+    STATES: tl.constexpr,
+    VARIANT: tl.constexpr,
     ROUNDING: tl.constexpr,
-    DECOUPLED: tl.constexpr,
     Q8M: tl.constexpr,
     C8: tl.constexpr,
     INDEX8: tl.constexpr,
     SCALE_G: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One kernel for every state format: Q8M (8-bit moments with block scales) and C8 (an 8-bit Kahan remainder) are
-    # compile-time switches; with both off it reads and writes bf16 states only. A tile of BLOCK // QBLOCK scale
-    # blocks (rows) of QBLOCK elements. int64 offsets: a ZeRO-3 flat partition can hold more than 2**31 elements.
-    # The launcher splits a piece where the index's high word changes, so the high word is one per launch and enters
-    # through the stream words (see ops.rng); index_offset is otherwise any non-negative int (a multiple of QBLOCK
-    # with 8-bit moments). INDEX8: it is a multiple of 8, so each run of 8 elements shares its index's high 16 bits.
+    # One kernel for every algorithm (ALGORITHM, its STATES slots m and v, VARIANT its compile-time switch; h0-h8 its
+    # scalars, ops.algorithms) and every state format: Q8M (8-bit states with block scales) and C8 (an 8-bit Kahan
+    # remainder) are compile-time switches; with both off it reads and writes bf16 states only. A tile of
+    # BLOCK // QBLOCK scale blocks (rows) of QBLOCK elements. int64 offsets: a ZeRO-3 flat partition can hold more
+    # than 2**31 elements. The launcher splits a piece where the index's high word changes, so the high word is one
+    # per launch and enters through the stream words (see ops.rng); index_offset is otherwise any non-negative int (a
+    # multiple of QBLOCK with 8-bit states). INDEX8: it is a multiple of 8, so each run of 8 elements shares its
+    # index's high 16 bits.
     NB: tl.constexpr = BLOCK // _QBLOCK
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rows = tl.arange(0, NB)
@@ -240,34 +276,30 @@ def _adamw_kernel(
     g = _widen(tl.load(g_ptr + offsets, mask=mask, other=0.0))
     if SCALE_G:  # a caller's clipping factor, in float32 as the other backends apply it
         g = g * grad_scale
+    m = g  # an algorithm without states reads none (m and v are then unused)
+    v = g
     if Q8M:
-        m_scale = tl.load(ms_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
-        v_scale = tl.load(vs_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
-        mk = tl.load(m_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        vk = tl.load(v_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        m_abs = m_scale * _level(tl.abs(mk).to(tl.float32), 127, 2)
-        m = tl.where(mk < 0, -m_abs, m_abs)
-        v = v_scale * _level(vk.to(tl.float32), 255, 4)
+        if STATES >= 1:
+            m_scale = tl.load(ms_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
+            mk = tl.load(m_ptr + offsets, mask=mask, other=0).to(tl.int32)
+            m_abs = m_scale * _level(tl.abs(mk).to(tl.float32), 127, 2)
+            m = tl.where(mk < 0, -m_abs, m_abs)
+        if STATES >= 2:
+            v_scale = tl.load(vs_ptr + block_ids, mask=block_mask, other=0.0).to(tl.float32)[:, None]
+            vk = tl.load(v_ptr + offsets, mask=mask, other=0).to(tl.int32)
+            v = v_scale * _level(vk.to(tl.float32), 255, 4)
     else:
-        m = _widen(tl.load(m_ptr + offsets, mask=mask, other=0.0))
-        v = _widen(tl.load(v_ptr + offsets, mask=mask, other=0.0))
+        if STATES >= 1:
+            m = _widen(tl.load(m_ptr + offsets, mask=mask, other=0.0))
+        if STATES >= 2:
+            v = _widen(tl.load(v_ptr + offsets, mask=mask, other=0.0))
 
-    m, v, delta = _adam_update(
-        p,
-        g,
-        m,
-        v,
-        beta1,
-        one_minus_beta1,
-        beta2,
-        one_minus_beta2,
-        eps,
-        weight_decay,
-        decay,
-        neg_step_size,
-        inv_bias_correction2_sqrt,
-        DECOUPLED,
-    )
+    if ALGORITHM == _ADAM:
+        m, v, delta = _adam_update(p, g, m, v, h0, h1, h2, h3, h4, h5, h6, h7, h8, VARIANT)
+    elif ALGORITHM == _LION:
+        m, delta = _lion_update(p, g, m, h0, h1, h2, h3, h4, h5, VARIANT)
+    else:
+        m, delta = _sgd_update(p, g, m, h0, h1, h2, h3, h4, STATES >= 1, VARIANT)
 
     if ROUNDING == _ROUND_KAHAN:
         if C8:
@@ -293,22 +325,27 @@ def _adamw_kernel(
     tl.store(p_ptr + offsets, p_out, mask=mask)
 
     if Q8M:
-        new_m_scale = _bf16_ceil(tl.max(tl.abs(m), axis=1))
-        new_v_scale = _bf16_ceil(tl.max(tl.abs(v), axis=1))
-        tl.store(ms_ptr + block_ids, new_m_scale.to(tl.bfloat16), mask=block_mask)
-        tl.store(vs_ptr + block_ids, new_v_scale.to(tl.bfloat16), mask=block_mask)
-        mk = _encode(m, new_m_scale[:, None], _random_word(word_m, folded), 127, 2)
-        tl.store(m_ptr + offsets, tl.where(m < 0, -mk, mk).to(tl.int8), mask=mask)
-        vk = _encode(v, new_v_scale[:, None], _random_word(word_v, folded), 255, 4)
-        tl.store(v_ptr + offsets, vk.to(tl.uint8), mask=mask)
+        if STATES >= 1:
+            new_m_scale = _bf16_ceil(tl.max(tl.abs(m), axis=1))
+            tl.store(ms_ptr + block_ids, new_m_scale.to(tl.bfloat16), mask=block_mask)
+            mk = _encode(m, new_m_scale[:, None], _random_word(word_m, folded), 127, 2)
+            tl.store(m_ptr + offsets, tl.where(m < 0, -mk, mk).to(tl.int8), mask=mask)
+        if STATES >= 2:
+            new_v_scale = _bf16_ceil(tl.max(tl.abs(v), axis=1))
+            tl.store(vs_ptr + block_ids, new_v_scale.to(tl.bfloat16), mask=block_mask)
+            vk = _encode(v, new_v_scale[:, None], _random_word(word_v, folded), 255, 4)
+            tl.store(v_ptr + offsets, vk.to(tl.uint8), mask=mask)
     elif ROUNDING == _ROUND_NEAREST:
-        tl.store(m_ptr + offsets, _nearest_round(m), mask=mask)
-        tl.store(v_ptr + offsets, _nearest_round(v), mask=mask)
-    else:
-        # One word of random bits for both moments: m rounds with its low half, v with its high half.
+        if STATES >= 1:
+            tl.store(m_ptr + offsets, _nearest_round(m), mask=mask)
+        if STATES >= 2:
+            tl.store(v_ptr + offsets, _nearest_round(v), mask=mask)
+    elif STATES >= 1:
+        # One word of random bits for both slots: m rounds with its low half, v with its high half.
         r = _random_word(word_m, folded)
         tl.store(m_ptr + offsets, _round_with_bits(m, r & 0xFFFF), mask=mask)
-        tl.store(v_ptr + offsets, _round_with_bits(v, r >> 16), mask=mask)
+        if STATES >= 2:
+            tl.store(v_ptr + offsets, _round_with_bits(v, r >> 16), mask=mask)
 
 
 def _stream_word(key: int, index_offset: int) -> int:
@@ -319,68 +356,65 @@ def _stream_word(key: int, index_offset: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def adamw_update_triton_(
+def update_triton_(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    states: Sequence[torch.Tensor],
     kahan_comp: torch.Tensor | None,
-    args: UpdateArgs,
+    args: Args,
     *,
+    scales: Sequence[torch.Tensor | None] = (),
     index_offset: int = 0,
-    exp_avg_scale: torch.Tensor | None = None,
-    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
-    """Apply one Adam/AdamW step in place with one kernel launch (bf16 ``param``, ``exp_avg``, ``exp_avg_sq``, or
-    8-bit states with their scales).
+    """Apply one step of ``args.algorithm`` in place with one kernel launch (bf16 ``param`` and states, or 8-bit
+    states with their ``scales``).
 
-    Same contract and same random bits as :func:`lightning_pure_bf16.ops.adamw_torch.adamw_update_torch_`; all
-    buffers must be contiguous. ``index_offset`` is the index of the first element in the whole tensor when the
-    buffers are one piece of it (a multiple of ``QBLOCK`` with 8-bit moments).
+    Same contract and same random bits as :func:`lightning_pure_bf16.ops.update_torch.update_torch_`; all buffers
+    must be contiguous. ``index_offset`` is the index of the first element in the whole tensor when the buffers are
+    one piece of it (a multiple of ``QBLOCK`` with 8-bit states).
     """
     n = param.numel()
     if n == 0:
         return
     if index_offset < 0:
         raise ValueError(f"`index_offset={index_offset}` must be non-negative.")
-    if exp_avg_scale is not None and index_offset % quant.QBLOCK:
+    q8m = any(sc is not None for sc in scales)
+    if q8m and index_offset % quant.QBLOCK:
         raise ValueError(
-            f"8-bit moments need an `index_offset` that is a multiple of {quant.QBLOCK}, got {index_offset}."
+            f"8-bit states need an `index_offset` that is a multiple of {quant.QBLOCK}, got {index_offset}."
         )
     if args.rounding == "kahan" and kahan_comp is None:
         raise ValueError("`rounding='kahan'` needs the compensation buffer.")
-    q8m = exp_avg_scale is not None
     c8 = args.rounding == "kahan" and kahan_comp is not None and kahan_comp.dtype == torch.int8
     # The kernel indexes raw pointers: every buffer must match the parameter's size and device and be contiguous.
+    names = ("exp_avg", "exp_avg_sq") if len(states) == 2 else tuple(f"state {i}" for i in range(len(states)))
     expected: dict[str, tuple[torch.Tensor | None, torch.dtype | None, int]] = {
         "param": (param, torch.bfloat16, n),
         "grad": (grad, None, n),
-        "exp_avg": (exp_avg, torch.int8 if q8m else torch.bfloat16, n),
-        "exp_avg_sq": (exp_avg_sq, torch.uint8 if q8m else torch.bfloat16, n),
     }
-    if q8m:
-        blocks = quant.scale_blocks(n)
-        expected["exp_avg_scale"] = (exp_avg_scale, torch.bfloat16, blocks)
-        expected["exp_avg_sq_scale"] = (exp_avg_sq_scale, torch.bfloat16, blocks)
+    for slot, (name, t) in enumerate(zip(names, states)):
+        expected[name] = (t, (torch.uint8 if slot else torch.int8) if q8m else torch.bfloat16, n)
+        if q8m:
+            expected[f"{name}_scale"] = (scales[slot], torch.bfloat16, quant.scale_blocks(n))
     if args.rounding == "kahan":
         expected["kahan_comp"] = (kahan_comp, torch.int8 if c8 else torch.bfloat16, n)
     for name, (t, dtype, numel) in expected.items():
         if t is None:
-            raise ValueError(f"The Triton AdamW kernel needs `{name}`.")
+            raise ValueError(f"The Triton update kernel needs `{name}`.")
         if intercepts_operations(t):
             raise ValueError(
-                f"The Triton AdamW kernel writes raw memory; `{name}` is a {type(t).__name__}, a tensor subclass"
+                f"The Triton update kernel writes raw memory; `{name}` is a {type(t).__name__}, a tensor subclass"
                 " without memory of its own (pass its local tensor, `.to_local()`, or a plain tensor)."
             )
         if not t.is_contiguous():
-            raise ValueError(f"The Triton AdamW kernel needs contiguous buffers; `{name}` is not.")
+            raise ValueError(f"The Triton update kernel needs contiguous buffers; `{name}` is not.")
         if t.numel() != numel:
-            raise ValueError(f"The Triton AdamW kernel: `{name}` has {t.numel()} elements, it needs {numel}.")
+            raise ValueError(f"The Triton update kernel: `{name}` has {t.numel()} elements, it needs {numel}.")
         if t.device != param.device:
-            raise ValueError(f"The Triton AdamW kernel: `{name}` is on {t.device}, the parameter on {param.device}.")
+            raise ValueError(f"The Triton update kernel: `{name}` is on {t.device}, the parameter on {param.device}.")
         if dtype is not None and t.dtype != dtype:
             want, got = (str(d).removeprefix("torch.") for d in (dtype, t.dtype))
-            raise ValueError(f"The Triton AdamW kernel needs {want} `{name}`, got {got}.")
+            raise ValueError(f"The Triton update kernel needs {want} `{name}`, got {got}.")
     end = rng.next_high_word(index_offset) - index_offset
     if end < n:
         # The index's high word changes inside the piece: one launch on each side (2**32 is a multiple of QBLOCK).
@@ -393,31 +427,37 @@ def adamw_update_triton_(
             (slice(end), slice(cut), index_offset),
             (slice(end, n), slice(cut, None), index_offset + end),
         ):
-            adamw_update_triton_(
-                *(part(t, where) for t in (param, grad, exp_avg, exp_avg_sq, kahan_comp)),
+            update_triton_(
+                part(param, where),
+                part(grad, where),
+                [part(t, where) for t in states],
+                part(kahan_comp, where),
                 args,
+                scales=[part(t, blocks) for t in scales],
                 index_offset=offset,
-                exp_avg_scale=part(exp_avg_scale, blocks),
-                exp_avg_sq_scale=part(exp_avg_sq_scale, blocks),
             )
         return
     grid = (triton.cdiv(n, BLOCK_SIZE),)
+    m, v = (*states, param, param)[:2]  # placeholders of absent states: never read or written
+    ms, vs = (*(sc for sc in scales if sc is not None), param, param)[:2]
     # Launch on the parameter's GPU, not the current one (a multi-GPU process may have another one current).
     with torch.cuda.device(param.device) if param.is_cuda else nullcontext():
-        _adamw_kernel[grid](
+        _update_kernel[grid](
             param,
             grad,
-            exp_avg,
-            exp_avg_sq,
-            exp_avg_scale if q8m else param,
-            exp_avg_sq_scale if q8m else param,
+            m,
+            v,
+            ms,
+            vs,
             kahan_comp if kahan_comp is not None else param,
             n,
-            *args.scalars,
+            *hyper_scalars(args),
             *(_stream_word(key, index_offset) for key in args.keys),
             index_offset,
-            ROUNDING=_ROUNDING_CODES[args.rounding],
-            DECOUPLED=args.decoupled,
+            ALGORITHM=int(args.algorithm),
+            STATES=len(states),
+            VARIANT=args.variant,
+            ROUNDING=ROUNDING_CODES[args.rounding],
             Q8M=q8m,
             C8=c8,
             INDEX8=index_offset % 8 == 0,
@@ -429,4 +469,4 @@ def adamw_update_triton_(
         )
 
 
-__all__ = ["BLOCK_SIZE", "adamw_update_triton_"]
+__all__ = ["BLOCK_SIZE", "update_triton_"]

@@ -1,5 +1,5 @@
-// The entry points of the fused CPU loop (declared in adamw_cpu.h, bound to Python in bindings.cpp).
-#include "adamw_cpu.h"
+// The entry points of the fused CPU loop (declared in update_cpu.h, bound to Python in bindings.cpp).
+#include "update_cpu.h"
 
 #include "q8.h"
 
