@@ -87,15 +87,16 @@ def missing_peer(arm: str) -> str | None:
     return None if importlib.util.find_spec(package) else f"skipped: needs {package} (`{install}`)"
 
 
-class FP32MasterAdamW(torch.optim.AdamW):
-    """The arithmetic of DeepSpeed's bf16 mixed precision on one process: the model's weights and gradients are bf16;
-    each step casts the gradients to float32, updates float32 master weights and moments with torch AdamW, and rounds
-    the masters to nearest into the bf16 weights. (Its param groups are the masters', for the scheduler.)"""
+class FP32Masters:
+    """The arithmetic of DeepSpeed's bf16 mixed precision on one process, for any torch optimizer it is mixed into
+    (``class FP32MasterAdamW(FP32Masters, torch.optim.AdamW)``): the model's weights and gradients are bf16; each step
+    casts the gradients to float32, updates float32 master weights and states with the optimizer's own step, and
+    rounds the masters to nearest into the bf16 weights. (Its param groups are the masters', for the scheduler.)"""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float]) -> None:
+    def __init__(self, groups: list[dict], **hyperparameters: object) -> None:
         self.bf16_groups = [list(g["params"]) for g in groups]
         masters = [{**g, "params": [p.detach().float() for p in g["params"]]} for g in groups]
-        super().__init__(masters, lr=lr, betas=betas)
+        super().__init__(masters, **hyperparameters)  # type: ignore[call-arg]
 
     @torch.no_grad()
     def step(self, closure: object = None) -> None:
@@ -110,7 +111,11 @@ class FP32MasterAdamW(torch.optim.AdamW):
         for ps in self.bf16_groups:
             for p in ps:
                 p.grad = None
-        super().zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
+
+class FP32MasterAdamW(FP32Masters, torch.optim.AdamW):
+    """:class:`FP32Masters` over torch AdamW: the ``fp32_masters`` arm."""
 
 
 class AttributionAdamW(torch.optim.Optimizer):
@@ -240,3 +245,48 @@ def state_bytes_per_param(opt: torch.optim.Optimizer, model_params: list[torch.T
     n = sum(p.numel() for p in model_params)
     weights_and_grads = sum(p.numel() * p.element_size() * 2 for p in model_params)
     return (weights_and_grads + sum(t.numel() * t.element_size() for t in optimizer_tensors(opt, model_params))) / n
+
+
+# The family study (``convergence.py --study family``): per algorithm other than AdamW, its reference optimizer
+# (torch's, or the tests' reference Lion with lion-pytorch's semantics), this package's class, the hyperparameters of
+# every arm, and the weight decay on matrices (Lion's 3x AdamW's, as its authors advise; SGD's L2 penalty).
+FAMILY_ARMS = ("fp32_masters", "stochastic", "kahan", "nearest_bf16")
+FAMILY = {
+    "lion": {"hyperparameters": {"betas": (0.9, 0.99)}, "weight_decay": 0.3},
+    "sgd": {"hyperparameters": {"momentum": 0.9, "nesterov": True}, "weight_decay": 1e-4},
+}
+FAMILY_LABELS = {
+    "fp32_masters": "fp32 masters and states (the reference optimizer, DeepSpeed bf16 mixed arithmetic)",
+    "stochastic": "this package, rounding='stochastic'",
+    "kahan": "this package, rounding='kahan'",
+    "nearest_bf16": "the reference optimizer on bf16 weights (round to nearest)",
+}
+FAMILY_BYTES = {"fp32_masters": 12.0, "stochastic": 6.0, "kahan": 8.0, "nearest_bf16": 6.0}
+
+
+def _family_classes(algorithm: str) -> tuple[type, type]:
+    """The reference optimizer and this package's, for ``algorithm``."""
+    if algorithm == "lion":
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from lightning_pure_bf16 import Lion
+        from tests.reference.lion import ReferenceLion
+
+        return ReferenceLion, Lion
+    from lightning_pure_bf16 import SGD
+
+    return torch.optim.SGD, SGD
+
+
+def make_family_optimizer(algorithm: str, arm: str, groups: list[dict], lr: float, seed: int) -> torch.optim.Optimizer:
+    """The optimizer of one arm of the family study over bf16 parameter groups."""
+    reference, ours = _family_classes(algorithm)
+    hyperparameters = FAMILY[algorithm]["hyperparameters"]
+    if arm == "fp32_masters":
+        return type(f"FP32Master{reference.__name__}", (FP32Masters, reference), {})(groups, lr=lr, **hyperparameters)
+    if arm == "nearest_bf16":
+        return reference(groups, lr=lr, **hyperparameters)
+    if arm in ("stochastic", "kahan"):
+        return ours(groups, lr=lr, rounding=arm, seed=seed, **hyperparameters)
+    raise ValueError(f"unknown arm {arm!r}; the arms are {', '.join(FAMILY_ARMS)}")

@@ -38,6 +38,16 @@ interrupted one from its last evaluation, so a study completes over several sitt
     python benchmarks/convergence.py --study width --quick     # every arm end to end: 2 x 128, 40 steps, seed 0
     python benchmarks/convergence.py --study width --seeds 1 --arms kahan int8_kahan --threads 1
 Writes benchmarks/results/convergence_{width,finetune}{,_quick,_gpu}{.md,.png,_summary.csv,_runs.json}.
+
+``--study family`` is the same check for the other algorithms of the package: Lion and SGD (Nesterov momentum), each
+trained with float32 master weights and states (its reference optimizer: torch.optim.SGD, and lion-pytorch's rule in
+``tests/reference/lion.py``), with this package's optimizer rounding stochastically and with Kahan compensation, and
+with the reference optimizer directly on bf16 weights (round to nearest); at a learning rate of training from scratch
+and at one of fine-tuning (``FAMILY_LRS``), two seeds, on the small GPT. Resumable as the quality studies.
+
+    python benchmarks/convergence.py --study family            # 32 runs of 600 steps
+    python benchmarks/convergence.py --study family --quick    # 100 steps, seed 0
+Writes benchmarks/results/convergence_family{,_quick}.{csv,md,png} and its _runs.json.
 """
 
 from __future__ import annotations
@@ -92,7 +102,11 @@ _STUDY_NAMES = {
 
 
 def make_optimizer(arm: str, groups: list[dict], lr: float, seed: int) -> torch.optim.Optimizer:
-    """The optimizer of one arm (fp32 weights for "fp32", bf16 weights for every other)."""
+    """The optimizer of one arm (fp32 weights for "fp32", bf16 weights for every other; ``"lion:kahan"``: an arm of
+    the family study)."""
+    if ":" in arm:
+        algorithm, name = arm.split(":")
+        return quality_arms.make_family_optimizer(algorithm, name, groups, lr, seed)
     if arm in _STUDY_NAMES:  # the arms the quality studies share, built in one place
         return quality_arms.make_optimizer(_STUDY_NAMES[arm], groups, lr, seed)
     betas = quality_arms.BETAS
@@ -189,7 +203,7 @@ def train_arm(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--study", choices=("rounding", "int8", "width", "finetune"), default="rounding")
+    parser.add_argument("--study", choices=("rounding", "int8", "width", "finetune", "family"), default="rounding")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="width/finetune: the seeds to run")
     parser.add_argument(
         "--arms", nargs="+", choices=quality_arms.STUDY_ARMS, default=None, help="width/finetune: default all"
@@ -243,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.steps = args.steps or (20 if args.quick else 300)
         args.warmup = min(args.warmup, args.steps // 10)
-    if args.study == "int8":
-        args.steps = args.steps or (100 if args.quick else 400)
+    if args.study in ("int8", "family"):
+        args.steps = args.steps or (100 if args.quick else 400 if args.study == "int8" else 600)
         args.warmup = min(args.warmup, args.steps // 10)
     args.steps = args.steps or (200 if args.quick else 1200)
     args.eval_every = args.eval_every or max(1, args.steps // 12)
@@ -257,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     val = ByteWindows(load_bytes(val_files), args.block_size, args.val_windows, args.seed + 1)
     if args.study == "int8":
         return int8_study(args, train, val, device)
+    if args.study == "family":
+        return family_study(args, train, val, device)
     lrs = [args.lr] + ([args.small_lr] if args.small_lr else [])
     curves = {(arm, lr): train_arm(arm, lr, args, train, val, device) for lr in lrs for arm in ARMS}
 
@@ -406,6 +422,106 @@ def int8_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, d
             lines.append(f"- lr {lr:g}, {LABELS[arm]}: {gap:+.2f}% +- {spread_pct:.2f}% ({peer_text}): {verdict}")
     for arm, why in missing.items():
         lines.append(f"- {LABELS[arm]}: not run here ({why[:200]})")
+    lines += ["", f"![validation loss]({stem}.png)"]
+    write_results(args.out, stem, rows, lines, command, also=("png",))
+    return 0
+
+
+# --- The family study: Lion and SGD, each beside its own fp32-masters and round-to-nearest versions ---------------
+# Per algorithm, a learning rate of training from scratch and one of fine-tuning, where every update is far below a
+# bf16 spacing of the weights (Lion: lr 3e-6 moves a weight of 0.02 by 1.5e-4 of itself, a tenth of half a spacing).
+FAMILY_LRS = {"lion": (1e-4, 3e-6), "sgd": (0.3, 3e-3)}
+
+
+def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, device: torch.device) -> int:
+    """``--study family``: every arm of ``_quality_arms.FAMILY_ARMS`` for Lion and SGD at both learning rates of
+    :data:`FAMILY_LRS` and every seed; each finished run kept in ``<stem>_runs.json`` (a rerun skips it)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "convergence_family_quick" if args.quick else "convergence_family"
+    runs_path = args.out / f"{stem}_runs.json"
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    arms = quality_arms.FAMILY_ARMS
+    for algorithm, lrs in FAMILY_LRS.items():
+        args.weight_decay = quality_arms.FAMILY[algorithm]["weight_decay"]
+        for lr in lrs:
+            for seed in seeds:
+                for arm in arms:
+                    key = f"{algorithm}:{arm}:lr{lr:g}:seed{seed}"
+                    if key not in runs:
+                        runs[key] = train_arm(f"{algorithm}:{arm}", lr, args, train, val, device, seed)
+                        _atomic_write_json(runs, runs_path)
+
+    def curve(algorithm: str, arm: str, lr: float, seed: int) -> list:
+        return runs[f"{algorithm}:{arm}:lr{lr:g}:seed{seed}"]
+
+    command = "python benchmarks/convergence.py --study family" + (" --quick" if args.quick else "")
+    n_params = sum(
+        p.numel() for p in GPT(GPTConfig(args.block_size, 256, args.n_layer, args.n_head, args.n_embd)).parameters()
+    )
+    lines = [
+        f"# Convergence of Lion and SGD in pure bf16: byte-level GPT, {n_params:,} parameters, {args.steps} steps",
+        "",
+        f"Command: `{command}` (device: {args.device}). Each algorithm trains the same bf16 model four ways: with"
+        " float32 master weights and states (its reference optimizer, rounded to nearest into the bf16 weights, the"
+        " arithmetic of DeepSpeed's bf16 mixed precision), with this package's optimizer rounding stochastically and"
+        " with Kahan compensation, and with the reference optimizer directly on the bf16 weights (every write rounded"
+        " to nearest). Lion: lion-pytorch's semantics (`tests/reference/lion.py`), betas (0.9, 0.99), weight decay"
+        f" {quality_arms.FAMILY['lion']['weight_decay']} on matrices; SGD: torch.optim.SGD, Nesterov momentum 0.9,"
+        f" weight decay {quality_arms.FAMILY['sgd']['weight_decay']} on matrices. Warm-up {args.warmup} steps, cosine"
+        f" to 10%, batch {args.batch_size} x {args.block_size} bytes, {args.n_layer} layers x {args.n_embd} wide; per"
+        f" seed the same initial weights and data order in every arm; seeds {', '.join(map(str, seeds))}. Final"
+        " validation loss: mean over seeds; spread: half the seed-to-seed range; gap: to the fp32-masters arm.",
+        "",
+        "| algorithm | lr | arm | model state B/param | final validation loss | spread | gap to fp32 masters |"
+        " gap per seed |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    rows, verdicts = [], []
+    for algorithm, lrs in FAMILY_LRS.items():
+        for lr in lrs:
+            ref = [curve(algorithm, "fp32_masters", lr, s)[-1][1] for s in seeds]
+            ref_mean = sum(ref) / len(ref)
+            for arm in arms:
+                losses = [curve(algorithm, arm, lr, s)[-1][1] for s in seeds]
+                mean = sum(losses) / len(losses)
+                gap = 100 * (mean - ref_mean) / ref_mean
+                per_seed = ", ".join(f"{100 * (x - r) / r:+.2f}%" for x, r in zip(losses, ref))
+                spread = (max(losses) - min(losses)) / 2
+                lines.append(
+                    f"| {algorithm} | {lr:g} | {quality_arms.FAMILY_LABELS[arm]} | {quality_arms.FAMILY_BYTES[arm]:.2f}"
+                    f" | {mean:.4f} | {spread:.4f} | {gap:+.2f}% | {per_seed} |"
+                )
+                rows.append({"algorithm": algorithm, "lr": lr, "arm": arm, "loss": f"{mean:.5f}", "gap_pct": gap})
+                if arm in ("stochastic", "kahan"):
+                    goal = 0.5 if arm == "stochastic" else 0.2
+                    verdict = "met" if gap <= goal else "missed"
+                    verdicts.append(f"- {algorithm}, lr {lr:g}, {arm}: {gap:+.2f}% (goal <= {goal}%): {verdict}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(algorithm, lr) for algorithm, lrs in FAMILY_LRS.items() for lr in lrs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
+    for ax, (algorithm, lr) in zip(axes[0], panels):
+        for arm in arms:
+            steps = [s for s, _ in curve(algorithm, arm, lr, seeds[0])[1:]]
+            mean = [
+                sum(curve(algorithm, arm, lr, s)[i][1] for s in seeds) / len(seeds) for i in range(1, len(steps) + 1)
+            ]
+            ax.plot(
+                steps, mean, label=quality_arms.FAMILY_LABELS[arm], linestyle="--" if arm == "fp32_masters" else "-"
+            )
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"validation loss (nats/byte), mean of {len(seeds)} seeds")
+        ax.set_title(f"{algorithm}, lr {lr:g}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+    lines += ["", "Goal: stochastic rounding within 0.5% of the fp32-masters arm, Kahan within 0.2%:", "", *verdicts]
     lines += ["", f"![validation loss]({stem}.png)"]
     write_results(args.out, stem, rows, lines, command, also=("png",))
     return 0

@@ -1,5 +1,5 @@
-"""Model-state memory per parameter, measured: pure bf16 (SR, Kahan, states in memory-mapped files) vs DeepSpeed's
-bf16-master flags and bf16-mixed.
+"""Model-state memory per parameter, measured: pure bf16 (SR, Kahan, states in memory-mapped files; AdamW, Lion, SGD)
+vs DeepSpeed's bf16-master flags and bf16-mixed.
 
 Every configuration runs the same model, world size and ZeRO-3 settings through ``deepspeed.initialize`` and two
 training steps (one configuration after the other, in the same processes), then reads bytes per parameter by
@@ -47,6 +47,14 @@ CONFIGS = (
     "pure_bf16_kahan_mmap_release",
     "pure_bf16_int8_mmap_release",
     "pure_bf16_int8_kahan_mmap_release",
+    "pure_bf16_lion",
+    "pure_bf16_lion_kahan",
+    "pure_bf16_lion_int8",
+    "pure_bf16_lion_release",
+    "pure_bf16_lion_int8_release",
+    "pure_bf16_sgd_momentum",
+    "pure_bf16_sgd_momentum_int8_release",
+    "pure_bf16_sgd",
     "deepspeed_bf16_master",
     "deepspeed_bf16_mixed",
 )
@@ -65,6 +73,14 @@ LABELS = {
     "pure_bf16_kahan_mmap_release": "this strategy, Kahan, states in mmap files, gradient release",
     "pure_bf16_int8_mmap_release": "this strategy, 8-bit moments in mmap files, gradient release",
     "pure_bf16_int8_kahan_mmap_release": "this strategy, 8-bit moments and 8-bit Kahan in mmap files, gradient release",
+    "pure_bf16_lion": "Lion, stochastic rounding",
+    "pure_bf16_lion_kahan": "Lion, Kahan",
+    "pure_bf16_lion_int8": "Lion, 8-bit momentum",
+    "pure_bf16_lion_release": "Lion, gradient release",
+    "pure_bf16_lion_int8_release": "Lion, 8-bit momentum, gradient release",
+    "pure_bf16_sgd_momentum": "SGD with momentum 0.9",
+    "pure_bf16_sgd_momentum_int8_release": "SGD with momentum 0.9, 8-bit momentum, gradient release",
+    "pure_bf16_sgd": "SGD without momentum",
     "deepspeed_bf16_master": "DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 (fp32 masters and moments)",
 }
@@ -142,7 +158,7 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
 
     import deepspeed
 
-    from lightning_pure_bf16 import AdamW
+    from lightning_pure_bf16 import SGD, AdamW, Lion
     from lightning_pure_bf16._internals import alias_bf16_master_partitions
     from lightning_pure_bf16.config import pure_bf16_deepspeed_config
     from lightning_pure_bf16.core import init_zero3_optimizer_state
@@ -169,7 +185,14 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
             storage["moments"] = "int8"
             if "kahan" in name:
                 storage["compensation"] = "int8"
-        optimizer: torch.optim.Optimizer = AdamW(model.parameters(), lr=1e-3, rounding=rounding, **storage)
+        optimizer: torch.optim.Optimizer
+        if "_lion" in name:
+            optimizer = Lion(model.parameters(), lr=1e-4, rounding=rounding, **storage)
+        elif "_sgd" in name:
+            momentum = 0.9 if "momentum" in name else 0.0
+            optimizer = SGD(model.parameters(), lr=1e-2, momentum=momentum, rounding=rounding, **storage)
+        else:
+            optimizer = AdamW(model.parameters(), lr=1e-3, rounding=rounding, **storage)
         optimizer.check_nonfinite = False
         context = alias_bf16_master_partitions()
     else:
@@ -278,14 +301,15 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{command}`. Bytes per parameter of each rank's partition, measured from the live buffers after two"
         f" steps. Peak: {peak_label}, per parameter of the partition.",
         "",
-        "| configuration | param | grad | master | exp_avg | exp_avg_sq | kahan | total B/param | vs this strategy"
-        " | peak B/param | in state files B/param |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| configuration | param | grad | master | exp_avg | exp_avg_sq | momentum | kahan | total B/param"
+        " | vs this strategy | peak B/param | in state files B/param |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {LABELS[r['config']]} | {r['param']:.2f} | {r['grad']:.2f} | {r['master']:.2f} | {r['exp_avg']:.2f} |"
-            f" {r['exp_avg_sq']:.2f} | {r['kahan_comp']:.2f} | **{r['total']:.2f}** | {r['total'] / reference:.2f}x |"
+            f" {r['exp_avg_sq']:.2f} | {r['momentum_buffer']:.2f} | {r['kahan_comp']:.2f} | **{r['total']:.2f}** |"
+            f" {r['total'] / reference:.2f}x |"
             f" {r['peak_per_param']:.2f} | {r['state_files']:.2f} |"
         )
     lines += ["", "dtypes of each rank's buffers, by category:", ""]
@@ -293,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         "",
         "8-bit moments: one byte per element and a bf16 scale per 128 elements (0.016 B/param per moment, in the"
-        " exp_avg and exp_avg_sq columns).",
+        " exp_avg, exp_avg_sq and momentum columns). Lion keeps one moment (exp_avg), SGD its momentum buffer (none"
+        " without momentum).",
         "",
         "States in mmap files: the peak adds the two streaming slots, 2 x (2 or 3 buffers) x min(2**22, largest"
         " partition) bf16 elements (pinned host memory, and device memory on CUDA), a fixed cost that does not grow"

@@ -34,14 +34,18 @@ import torch
 from lightning_pure_bf16 import _internals, core
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
-from lightning_pure_bf16.optim import Adam, AdamW
+from lightning_pure_bf16.optim import Adam, AdamW, Lion, PureBF16Optimizer
 from lightning_pure_bf16.optim.options import OptimizerOptions
 
 NAME = "lightning_pure_bf16.deepspeed"
 WHO = "lightning_pure_bf16.deepspeed.initialize"
 # DeepSpeed optimizer types the config's "optimizer" section may name (DeepSpeed's "Adam" is AdamW unless
-# "adam_w_mode" is false, which is Adam with L2 regularisation).
-_CONFIG_OPTIMIZERS = ("adam", "adamw")
+# "adam_w_mode" is false, which is Adam with L2 regularisation), with the params each takes.
+_CONFIG_OPTIMIZERS = {
+    "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"},
+    "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"},
+    "lion": {"lr", "betas", "weight_decay"},
+}
 
 
 def _load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
@@ -55,25 +59,28 @@ def _load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str,
     return json.loads(path.read_text())
 
 
-def _optimizer_from_config(section: dict[str, Any], params: Any, options: OptimizerOptions) -> AdamW:
-    """This package's AdamW from a DeepSpeed ``"optimizer"`` section (``{"type": "AdamW", "params": {...}}``)."""
+def _optimizer_from_config(section: dict[str, Any], params: Any, options: OptimizerOptions) -> PureBF16Optimizer:
+    """This package's optimizer from a DeepSpeed ``"optimizer"`` section (``{"type": "AdamW", "params": {...}}``)."""
     kind = str(section.get("type", "")).lower()
     if kind not in _CONFIG_OPTIMIZERS:
         raise ValueError(
-            f"`{WHO}`: the config's optimizer is {section.get('type')!r}; pure bf16 trains with Adam or AdamW. Use"
-            ' `"type": "AdamW"`, or pass a torch.optim.AdamW as `optimizer`.'
+            f"`{WHO}`: the config's optimizer is {section.get('type')!r}; pure bf16 builds Adam, AdamW and Lion from"
+            ' the config. Use `"type": "AdamW"`, or pass the optimizer as `optimizer` (a torch.optim.AdamW, Adam or'
+            " SGD, or this package's AdamW, Adam, Lion or SGD)."
         )
     hp = dict(section.get("params", {}))
-    unknown = sorted(set(hp) - {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"})
+    if "betas" in hp:
+        hp["betas"] = tuple(hp["betas"])
+    unknown = sorted(set(hp) - _CONFIG_OPTIMIZERS[kind])
     if unknown:
         raise ValueError(f"`{WHO}`: the config's optimizer params {unknown} are not supported by pure bf16.")
     if hp.pop("bias_correction", True) is not True:
         raise ValueError(f"`{WHO}`: the config's optimizer asks for `bias_correction: false`, which pure bf16 lacks.")
+    if kind == "lion":
+        return Lion(params, **hp, **options.optimizer_kwargs())
     hp.pop("torch_adam", None)
     decoupled = hp.pop("adam_w_mode", True)
     cls = AdamW if kind == "adamw" or decoupled else Adam
-    if "betas" in hp:
-        hp["betas"] = tuple(hp["betas"])
     return cls(params, **hp, **options.optimizer_kwargs())
 
 
@@ -127,7 +134,7 @@ def initialize(
     gather_cache: str = "auto",
     trust_checkpoint: bool = False,
     **kwargs: Any,
-) -> tuple[Any, AdamW, Any, Any]:
+) -> tuple[Any, PureBF16Optimizer, Any, Any]:
     """``deepspeed.initialize`` in pure bf16: the same arguments and return value, plus the strategies' options.
 
     Args:

@@ -15,7 +15,7 @@ from lightning_pure_bf16._internals import (
 )
 from lightning_pure_bf16.optim.sharded import local
 
-CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "kahan_comp", "other_state")
+CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "momentum_buffer", "kahan_comp", "other_state")
 
 # Model-state bytes per trainable parameter under ZeRO-3, by category, for the configurations the project compares.
 # benchmarks/memory.py measures every one of them from live buffers; tests/test_plan.py checks the two agree.
@@ -36,6 +36,15 @@ MODEL_STATE_BYTES: dict[str, dict[str, float]] = {
     "pure_bf16_kahan_release": {"param": 2, "exp_avg": 2, "exp_avg_sq": 2, "kahan_comp": 2},
     "pure_bf16_int8_release": {"param": 2, "exp_avg": 1 + 2 / 128, "exp_avg_sq": 1 + 2 / 128},
     "pure_bf16_int8_kahan_release": {"param": 2, "exp_avg": 1 + 2 / 128, "exp_avg_sq": 1 + 2 / 128, "kahan_comp": 1},
+    # The other algorithms: Lion's one moment, SGD's momentum buffer (none without momentum).
+    "pure_bf16_lion": {"param": 2, "grad": 2, "exp_avg": 2},
+    "pure_bf16_lion_kahan": {"param": 2, "grad": 2, "exp_avg": 2, "kahan_comp": 2},
+    "pure_bf16_lion_int8": {"param": 2, "grad": 2, "exp_avg": 1 + 2 / 128},
+    "pure_bf16_lion_release": {"param": 2, "exp_avg": 2},
+    "pure_bf16_lion_int8_release": {"param": 2, "exp_avg": 1 + 2 / 128},
+    "pure_bf16_sgd_momentum": {"param": 2, "grad": 2, "momentum_buffer": 2},
+    "pure_bf16_sgd_momentum_int8_release": {"param": 2, "momentum_buffer": 1 + 2 / 128},
+    "pure_bf16_sgd": {"param": 2, "grad": 2},
     # bf16_master_weights_and_grads + bf16_optimizer_states: a second bf16 copy as master.
     "deepspeed_bf16_master": {"param": 2, "grad": 2, "master": 2, "exp_avg": 2, "exp_avg_sq": 2},
     # DeepSpeed's bf16 default: fp32 master weights and fp32 moments.
@@ -64,8 +73,8 @@ STATE_FILE_BYTES: dict[str, float] = {
 FROZEN_BYTES = 2
 
 
-# Optimizer state keys counted with another category: an 8-bit moment's block scales belong to the moment.
-STATE_CATEGORY = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}
+# Optimizer state keys counted with another category: an 8-bit state's block scales belong to the state.
+STATE_CATEGORY = {f"{key}_scale": key for key in ("exp_avg", "exp_avg_sq", "momentum_buffer")}
 
 
 def bytes_per_param(config: str) -> float:

@@ -61,8 +61,9 @@ DEEPSPEED_KEYS = (
     "ds_config",
     "ds_version",
 )
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-STATE_KEYS = (*MOMENT_KEYS, "kahan_comp")
+# The Kahan remainder; every other per-element state is an algorithm's (AdamW's exp_avg and exp_avg_sq, Lion's
+# exp_avg, SGD's momentum_buffer), 8-bit ones with their block scales under KEY_scale.
+KAHAN_KEY = "kahan_comp"
 _EXTRA_KEY = "pure_bf16"
 
 
@@ -144,9 +145,14 @@ class ZeroCheckpoint:
         return self._zero_state(rank)["optimizer_state_dict"]["state"].get(sub_group, {})
 
     def stored_keys(self) -> tuple[str, ...]:
-        """The per-element optimizer state the checkpoint holds (a subset of ``exp_avg, exp_avg_sq, kahan_comp``)."""
+        """The per-element optimizer state the checkpoint holds (``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ...: every
+        state tensor but the step count and the 8-bit block scales)."""
         state = self._inner_state(0, 0)
-        return tuple(k for k in STATE_KEYS if k in state)
+        return tuple(
+            k
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.ndim and k != "step" and not k.endswith("_scale")
+        )
 
     def step(self) -> int | None:
         """The optimizer step count (the same in every sub-group; checked in the rank files read so far, rank 0's
@@ -185,12 +191,10 @@ class ZeroCheckpoint:
             if len(self._decoded) > 8:  # one sub-group at a time, in practice
                 self._decoded.clear()
             state = self._inner_state(rank, sub_group)
-            if key == "exp_avg":
-                decoded = quant.decode_m(value, state["exp_avg_scale"])
-            elif key == "exp_avg_sq":
-                decoded = quant.decode_v(value, state["exp_avg_sq_scale"])
-            else:
+            if key == KAHAN_KEY:
                 decoded = quant.decode_residual(value, self._flat(rank, sub_group, "param"))
+            else:  # int8 codes of a signed state (slot 0), uint8 of a non-negative one (slot 1)
+                decoded = quant.decode_states(value, state[f"{key}_scale"], int(value.dtype == torch.uint8))
             self._decoded[cache_key] = decoded
         return self._decoded[cache_key]
 
@@ -383,7 +387,7 @@ def _gathered(
     padding), from the saved ranks' files."""
     stored = checkpoint._inner_state(0, 0)[key]
     out = {key: torch.zeros(count, dtype=stored.dtype)}
-    coded = key in MOMENT_KEYS and not stored.is_floating_point()
+    coded = key != KAHAN_KEY and not stored.is_floating_point()
     if coded:
         out[f"{key}_scale"] = torch.full((count,), float("nan"))
     for run in runs:
@@ -456,12 +460,12 @@ def load_repartitioned(
                 if not with_states:
                     continue
                 values: dict[str, torch.Tensor] = {}
-                for key in (k for k in MOMENT_KEYS if k in saved_keys):
+                for key in (k for k in saved_keys if k != KAHAN_KEY):
                     values.update(_gathered(checkpoint, key, start, count, piece))
-                if kahan and "kahan_comp" in saved_keys:
-                    values.update(_gathered(checkpoint, "kahan_comp", start, count, piece))
+                if kahan and KAHAN_KEY in saved_keys:
+                    values.update(_gathered(checkpoint, KAHAN_KEY, start, count, piece))
                 elif kahan:  # none saved: what the bf16 weight does not hold of an fp32 master, else nothing
-                    comp = values["kahan_comp"] = torch.zeros(count)
+                    comp = values[KAHAN_KEY] = torch.zeros(count)
                     for run in piece if fp32_masters else ():
                         saved = checkpoint.stored(run.rank, run.sub_group, "param", run.saved, run.count)
                         here = comp.narrow(0, run.live - start, run.count)
@@ -473,14 +477,15 @@ def load_repartitioned(
     if not load_optimizer_states:
         return "weights"
     for ours, saved in zip(optimizer.param_groups, checkpoint.param_groups):
-        ours.update({k: saved[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in saved})
+        # The algorithm's hyperparameters as saved (an LR scheduler's initial_lr too); the rounding stays this run's.
+        ours.update({k: saved[k] for k in (*optimizer.defaults, "initial_lr") if k in saved and k != "rounding"})
     skipped = int(checkpoint.extra["skipped_steps"]) if checkpoint.extra else 0
     optimizer.skipped_steps = skipped
     loaded = ["weights"]
     if with_states:
         kept = any(g["rounding"] == "kahan" for g in optimizer.param_groups)
-        loaded += [k for k in MOMENT_KEYS if k in saved_keys] + (["kahan_comp"] if kept else [])
-    if fp32_masters and "kahan_comp" in loaded and "kahan_comp" not in saved_keys:
+        loaded += [k for k in saved_keys if k != KAHAN_KEY] + ([KAHAN_KEY] if kept else [])
+    if fp32_masters and KAHAN_KEY in loaded and KAHAN_KEY not in saved_keys:
         loaded[-1] = "kahan_comp (from the fp32 masters)"
     total = sum(f.stat().st_size for f in checkpoint._optim_files)
     return (

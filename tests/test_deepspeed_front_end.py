@@ -153,7 +153,7 @@ def test_the_configs_optimizer_section_and_options_are_honoured(ds_out):
     [
         ({"fp16": {"enabled": True}}, {}, "fp16.enabled"),
         ({"zero_optimization": {"stage": 2}}, {}, "stage: 2"),
-        ({"optimizer": {"type": "SGD"}}, {}, "pure bf16 trains with Adam or AdamW"),
+        ({"optimizer": {"type": "SGD"}}, {}, "pure bf16 builds Adam, AdamW and Lion from the config"),
         ({"data_types": {"grad_accum_dtype": "fp32"}}, {}, "grad_accum_dtype"),
         ({}, {"rounding": "up"}, "rounding"),
         ({}, {"trust_checkpoint": "yes"}, "trust_checkpoint='yes'"),
@@ -209,3 +209,17 @@ def test_the_hugging_face_front_ends_take_trust_checkpoint_and_refuse_a_non_bool
     assert options["trust_checkpoint"] is True and kwargs == {"output_dir": "x"}
     with pytest.raises(ValueError, match=r"`PureBF16Accelerator\(trust_checkpoint=1\)` must be True or False"):
         pure_bf16.take_options("PureBF16Accelerator", {"trust_checkpoint": 1})
+
+
+def test_a_config_optimizer_section_of_type_lion_builds_this_packages_lion():
+    from lightning_pure_bf16 import Lion
+    from lightning_pure_bf16.deepspeed import _optimizer_from_config
+    from lightning_pure_bf16.optim.options import OptimizerOptions
+
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
+    section = {"type": "Lion", "params": {"lr": 3e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}}
+    built = _optimizer_from_config(section, params, OptimizerOptions(rounding="kahan"))
+    assert type(built) is Lion and built.defaults["betas"] == (0.95, 0.98) and built.defaults["rounding"] == "kahan"
+    assert built.defaults["lr"] == 3e-4 and built.defaults["weight_decay"] == 0.1
+    with pytest.raises(ValueError, match=r"params \['eps'\] are not supported"):
+        _optimizer_from_config({"type": "Lion", "params": {"eps": 1e-8}}, params, OptimizerOptions())

@@ -65,6 +65,7 @@ def launches(tmp_path_factory):
     runs = [
         {"name": "hf_one_rank", "steps": 6, "resume": str(checkpoint)},
         {"name": "given_optimizer", "steps": 2, "given_optimizer": True},
+        {"name": "hf_sgd", "steps": 3, "optim": "sgd", "optim_args": "momentum=0.9,nesterov=true"},
         {"name": "stock", "front": "stock_trainer"},
     ]
     run_script("hf_gpt2.py", one, json.dumps({"world": 1, "runs": runs}))
@@ -225,6 +226,19 @@ def test_a_stock_trainer_that_drops_the_given_optimizer_says_so_once(launches, w
     assert "the host replaced it" in said and "torch.optim.adamw.AdamW` is stepping" in said
     assert "PureBF16Trainer" in said
     assert all(rank["warnings"] == [] for rank in ranks[1:])
+
+
+def test_the_trainers_sgd_trains_as_this_packages_sgd_with_its_optim_args(launches):
+    (rank,) = load_ranks(launches / "one" / "hf_sgd", 1)
+    assert rank["optimizer_class"] == "lightning_pure_bf16.optim.sgd.SGD" and rank["global_steps"] == 3
+    assert [(g["momentum"], g["nesterov"], g["weight_decay"]) for g in rank["groups"]] == [
+        (0.9, True, 0.1),
+        (0.9, True, 0.0),
+    ]
+    # The weights, their gradients and the momentum buffer: 6 bytes/param, every buffer bf16.
+    assert rank["memory_report"]["total"] == pytest.approx(6.0, abs=0.01)
+    assert rank["memory_report"]["momentum_buffer"] == pytest.approx(2.0, abs=0.01)
+    assert all(v.dtype == torch.bfloat16 for st in rank["state"].values() for k, v in st.items() if k != "step")
 
 
 def test_the_optimizer_given_to_the_trainer_is_used_not_replaced(launches):

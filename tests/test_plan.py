@@ -36,6 +36,15 @@ def test_70b_on_8x80gb():
         "pure_bf16_kahan_mmap_release": 2.0,
         "pure_bf16_int8_mmap_release": 2.0,
         "pure_bf16_int8_kahan_mmap_release": 2.0,
+        # Lion and SGD: one state per element (none for SGD without momentum).
+        "pure_bf16_lion": 6.0,
+        "pure_bf16_lion_kahan": 8.0,
+        "pure_bf16_lion_int8": 5.0 + 2 / 128,
+        "pure_bf16_lion_release": 4.0,
+        "pure_bf16_lion_int8_release": 3.0 + 2 / 128,
+        "pure_bf16_sgd_momentum": 6.0,
+        "pure_bf16_sgd_momentum_int8_release": 3.0 + 2 / 128,
+        "pure_bf16_sgd": 4.0,
     }
     assert p.per_gpu_model_state_gib["pure_bf16_stochastic"] == pytest.approx(70e9 * 8 / 8 / GIB)
     # With the default margin (15%, 12 GiB for activations) 8 bytes/param is just over 80 GiB; 8-bit moments fit.

@@ -29,6 +29,8 @@ RUN = {"strategy": {"rounding": "kahan"}, "scheduler": True, "nan_rank": 0, "nan
 
 
 INT8 = {"rounding": "kahan", "moments": "int8", "compensation": "int8"}
+# The other algorithms of the family as tests/scripts/fit_mlp.py builds them, and the state each keeps.
+FAMILY = {"torch_sgd": "momentum_buffer", "lion": "exp_avg"}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,11 @@ def launches(tmp_path_factory):
             "scheduler": False,
             "nan_rank": None,
         },
+        # The other algorithms: torch.optim.SGD (bf16 momentum) and Lion (8-bit momentum), Kahan.
+        *(
+            {"name": f"{kind}_source", "steps": 4, "optimizer": kind, "save_at_end": str(out / "two" / kind / "final")}
+            for kind in ("torch_sgd", "lion")
+        ),
     ]
     fit_runs(out / "two", runs, devices=2, **RUN)
     files = {"state_storage": "mmap", "state_dir": str(out / "to1_states")}
@@ -75,6 +82,7 @@ def launches(tmp_path_factory):
         _resave(out / "one", "int8_to1", out / "two" / "int8_source" / "final", steps=6, strategy=int8_files),
         _resave(out / "one", "nodes_to1", out / "nodes" / "final", steps=4),
         {"name": "from_mixed_more", "steps": 3, "ckpt_path": str(mixed), "nan_rank": None},
+        *(_resave(out / "one", f"{kind}_to1", out / "two" / kind / "final", 4, optimizer=kind) for kind in FAMILY),
     ]
     fit_runs(out / "one", runs, devices=1, **RUN)
     to3 = {
@@ -89,6 +97,10 @@ def launches(tmp_path_factory):
         _resave(out / "two", "to2", out / "one" / "to1" / "resaved"),
         _resave(out / "two", "nodes_to2", out / "nodes" / "final", steps=4),
         _resave(out / "two", "from_mixed", mixed, steps=0, nan_rank=None),
+        *(
+            _resave(out / "two", f"{kind}_to2", out / "one" / f"{kind}_to1" / "resaved", 4, optimizer=kind)
+            for kind in FAMILY
+        ),
         {"name": "another_model", "steps": 9, "ckpt_path": str(step_8), "hidden": 32, "expect_error": True},
     ]
     fit_runs(out / "two", runs, devices=2, **RUN)
@@ -139,6 +151,31 @@ def test_repartitioned_checkpoint_saved_again_holds_every_value_bit_for_bit(sour
     assert saved.world_size == int(hop)
     assert saved.extra["skipped_steps"] == 1 and saved.step() == 7  # 8 steps, one skipped
     assert json.loads((chain[hop] / MANIFEST).read_text())["world_size"] == int(hop)
+
+
+@pytest.mark.parametrize("kind", FAMILY)
+def test_sgd_and_lion_checkpoints_resume_at_another_world_size(launches, kind):
+    """2 ranks -> 1 -> 2: the weights, the step and (SGD, converted by the Kahan strategy) the Kahan remainder exactly;
+    SGD's bf16 momentum exactly, Lion's 8-bit momentum (Lion given as is: stochastic rounding) re-encoded in the new
+    blocks within a level of each hop's block (a block of a flat partition may hold several parameters: its scale is
+    at most the largest magnitude of the whole model's momentum)."""
+    kept = {FAMILY[kind], "step"} | ({"kahan_comp"} if kind == "torch_sgd" else set())
+    src = launches / "two" / kind / "final"
+    for hop in (launches / "one" / f"{kind}_to1" / "resaved", launches / "two" / f"{kind}_to2" / "resaved"):
+        wa, wb = consolidate_checkpoint(src), consolidate_checkpoint(hop)
+        assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+        oa, ob = consolidate_optimizer_state(src), consolidate_optimizer_state(hop)
+        level = max(st[FAMILY[kind]].abs().max() for st in oa.values()) * (1 + 2**-7) * 255 / 127**2
+        for name in oa:
+            assert set(oa[name]) == set(ob[name]) == kept, name
+            assert "kahan_comp" not in kept or torch.equal(oa[name]["kahan_comp"], ob[name]["kahan_comp"]), name
+            assert int(ob[name]["step"]) == int(oa[name]["step"]) == 3  # 4 steps, one skipped
+            a, b = oa[name][FAMILY[kind]], ob[name][FAMILY[kind]]
+            assert not torch.equal(a, torch.zeros_like(a))
+            if kind == "torch_sgd":
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+            else:
+                assert ((a - b).abs() <= 2 * level + a.abs() * 2**-7).all(), name  # two hops
 
 
 def test_sub_group_size_changed_too(chain):

@@ -85,6 +85,8 @@ def two_ranks(tmp_path_factory):
         {"name": "sub_groups", "steps": 3, "strategy": {**EXACT, "sub_group_size": 1500}, "count_updates": True},
         {"name": "no_alias_fix", "steps": 1, "strategy": EXACT, "no_alias_fix": True},
     ]
+    # The other algorithms: torch.optim.SGD (momentum, Nesterov) converted, this package's Lion with 8-bit momentum.
+    runs[-2:-2] = [{"name": name, "steps": 6, "optimizer": name, "strategy": EXACT} for name in ("torch_sgd", "lion")]
     return fit_runs(out, runs, env={"PYTHONWARNINGS": "default"}, devices=2)
 
 
@@ -96,7 +98,7 @@ def one_rank(tmp_path_factory):
     for name in ("mmap_pure", "no_space"):
         (out / name / "states").mkdir(parents=True)
     runs = [
-        {"name": "sgd", "steps": 1, "optimizer": "sgd", "expect_error": True},
+        {"name": "torch_rmsprop", "steps": 1, "optimizer": "torch_rmsprop", "expect_error": True},
         {"name": "torch_amsgrad", "steps": 1, "optimizer": "torch_amsgrad", "expect_error": True},
         {
             "name": "mmap_pure",
@@ -230,6 +232,30 @@ def test_adam_clipping_accumulation_and_frozen_layer(kahan_run):
         assert r["frozen_requires_grad"] == [False, False]
 
 
+@pytest.mark.parametrize(
+    ("name", "optimizer", "state", "state_bytes", "dtypes"),
+    [
+        ("torch_sgd", "SGD", "momentum_buffer", 2.0, {torch.bfloat16}),
+        ("lion", "Lion", "exp_avg", 1 + 2 / 128, {torch.bfloat16, torch.int8}),
+    ],
+)
+def test_sgd_and_lion_train_with_one_state_per_parameter(two_ranks, name, optimizer, state, state_bytes, dtypes):
+    """configure_optimizers returning torch.optim.SGD(momentum=0.9, nesterov=True) trains with this package's SGD, and
+    its Lion with 8-bit momentum trains as given: 6 and about 5 bytes/param, every buffer bf16 or 8-bit, the loss
+    falling."""
+    for r in load_ranks(two_ranks / name):
+        report = r["memory_report"]
+        assert r["optimizer_class"] == optimizer
+        # 8-bit: one scale per 128 elements of each partition's tensor, the last block of each partial.
+        assert report[state] == pytest.approx(state_bytes, rel=2e-3)
+        assert report["total"] == pytest.approx(4.0 + state_bytes, rel=1e-3)
+        assert report["exp_avg_sq"] == 0.0 and report["master"] == 0.0 and report["other_state"] == 0.0
+        buffers = _state_buffers(r)
+        assert {dtype for _, dtype, _ in buffers} == dtypes, buffers
+        losses = r["losses"]
+        assert sum(losses[-2:]) < sum(losses[:2]), losses
+
+
 def test_same_seed_same_weights(exact_runs):
     first, second = exact_runs
     for a, b in zip(first, second):
@@ -259,7 +285,10 @@ def test_without_the_aliasing_fix_deepspeed_keeps_a_second_bf16_copy(two_ranks):
 
 @pytest.mark.parametrize(
     ("optimizer", "match"),
-    [("sgd", "can convert `torch.optim.AdamW` and `torch.optim.Adam`"), ("torch_amsgrad", "amsgrad=True")],
+    [
+        ("torch_rmsprop", "can convert `torch.optim.AdamW`, `torch.optim.Adam` and `torch.optim.SGD`, but got"),
+        ("torch_amsgrad", "amsgrad=True"),
+    ],
 )
 def test_unconvertible_optimizer_is_a_clear_error(one_rank, optimizer, match):
     assert not (one_rank / optimizer / "rank0.pt").exists()

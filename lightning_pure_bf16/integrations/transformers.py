@@ -40,8 +40,9 @@ from lightning_pure_bf16.release import check_release_config
 from lightning_pure_bf16.shards import parse_size
 
 WHO = "PureBF16Trainer"
-# The Trainer's optimizer choices that are AdamW (``TrainingArguments.optim``): converted to the pure-bf16 AdamW.
-ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# The Trainer's optimizer choices (``TrainingArguments.optim``) it builds as torch.optim.AdamW or SGD (``optim_args``
+# give SGD's momentum, dampening and nesterov): converted to this package's AdamW and SGD.
+ADOPTED_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd")
 # save_model's largest shard unless the Trainer is given another: the host's own save_pretrained default.
 _HOST_MAX_SHARD_SIZE = (
     inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
@@ -172,8 +173,10 @@ class PureBF16Trainer(PureBF16TrainerMixin, transformers.Trainer):
     Args:
         *args, **kwargs: as ``transformers.Trainer``. ``args`` must be ``TrainingArguments`` with ``bf16=True`` and
             ``deepspeed`` set (:func:`deepspeed_config`, a dict or a JSON file); ``optim`` an AdamW
-            (``"adamw_torch"``, the default, or ``"adamw_torch_fused"``). ``optimizers=(optimizer, scheduler)`` may
-            give a torch ``AdamW``/``Adam`` or a ``lightning_pure_bf16.AdamW`` and a scheduler on it.
+            (``"adamw_torch"``, the default, or ``"adamw_torch_fused"``) or ``"sgd"`` (``optim_args`` as the
+            Trainer takes them: ``"momentum=0.9,nesterov=true"``). ``optimizers=(optimizer, scheduler)`` may give a
+            torch ``AdamW``/``Adam``/``SGD`` or this package's ``AdamW``, ``Adam``, ``Lion`` or ``SGD`` and a
+            scheduler on it.
         rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache:
             keyword options, as :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
         trust_checkpoint: a resume reads files that need code to be read, with the full unpickler (default: False,
@@ -242,11 +245,12 @@ def _check_training_args(args: Any, who: str = WHO) -> None:
     if not args.bf16:
         raise ValueError(f"`{who}` keeps everything in bf16: pass `TrainingArguments(bf16=True)`.")
     optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in ADAMW_OPTIMS:
+    if optim not in ADOPTED_OPTIMS:
         raise ValueError(
-            f"`{who}` trains with the pure-bf16 AdamW, but `TrainingArguments(optim={optim!r})` asks for another"
-            f" optimizer. Use one of {list(ADAMW_OPTIMS)} (the default is 'adamw_torch')."
+            f"`{who}` trains with this package's AdamW or SGD, but `TrainingArguments(optim={optim!r})` asks for an"
+            f" optimizer it cannot convert. Use one of {list(ADOPTED_OPTIMS)} (the default is 'adamw_torch'), or"
+            " pass this package's optimizer (`Lion`, for one) as `optimizers=(optimizer, None)`."
         )
 
 
-__all__ = ["ADAMW_OPTIMS", "PureBF16Trainer", "PureBF16TrainerMixin", "deepspeed_config", "pure_bf16_trainer"]
+__all__ = ["ADOPTED_OPTIMS", "PureBF16Trainer", "PureBF16TrainerMixin", "deepspeed_config", "pure_bf16_trainer"]

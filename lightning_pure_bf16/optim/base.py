@@ -190,6 +190,12 @@ class PureBF16Optimizer(Optimizer):
         :attr:`state_names`; SGD without momentum keeps none)."""
         return self.state_names
 
+    @staticmethod
+    def from_torch_state(state: dict[str, Any]) -> dict[str, Any]:
+        """One tensor's state from the torch.optim optimizer of the same algorithm, as this optimizer keeps it (its
+        states are converted to the parameter's formats afterwards): a state without a step count starts at 0."""
+        return state if "step" in state else {**state, "step": torch.tensor(0)}
+
     def update_args(self, group: dict[str, Any], *, step: int, keys: tuple[int, int, int], grad_scale: float) -> Args:
         """The scalars of one step of a parameter of ``group`` (``ops.algorithms``)."""
         raise NotImplementedError

@@ -75,7 +75,8 @@ class SGD(PureBF16Optimizer):
     def from_torch_state(state: dict[str, Any]) -> dict[str, Any]:
         # torch.optim.SGD counts no steps; a saved momentum buffer has taken at least one (the next step continues it
         # instead of starting it at the gradient).
-        return {**state, "step": torch.tensor(1 if state.get("momentum_buffer") is not None else 0)}
+        kept = {k: v for k, v in state.items() if v is not None}  # torch may keep a None buffer
+        return {**kept, "step": torch.tensor(1 if "momentum_buffer" in kept else 0)}
 
     def update_args(
         self, group: dict[str, Any], *, step: int, keys: tuple[int, int, int], grad_scale: float

@@ -248,9 +248,7 @@ def _from_torch_state_dict(optimizer: AdamW, sd: dict[str, Any]) -> dict[str, An
         f" moments rounded to the parameters' dtype, rounding seed {optimizer.seed},"
         f" rounding={optimizer.param_groups[0]['rounding']!r}."
     )
-    convert = getattr(optimizer, "from_torch_state", None)
-    if convert is not None:
-        states = {index: convert(st) for index, st in states.items()}
+    states = {index: optimizer.from_torch_state(st) for index, st in states.items()}
     return {**sd, "state": states, "param_groups": groups}
 
 

@@ -140,7 +140,7 @@ def main(out: Path, opts: dict) -> None:
         model = MLP()
     groups = param_groups(model)
     kind = opts.get("optimizer", "adamw")
-    optimizer = torch.optim.AdamW(groups, lr=1e-2) if kind == "adamw" else torch.optim.SGD(groups, lr=1e-2)
+    optimizer = torch.optim.AdamW(groups, lr=1e-2) if kind == "adamw" else torch.optim.RMSprop(groups, lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)
     scheduler = None
     if opts.get("scheduler"):

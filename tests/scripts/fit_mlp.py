@@ -200,8 +200,12 @@ class MLP(LightningModule):
             opt = torch.optim.Adam(groups, lr=1e-2)
         elif kind == "torch_amsgrad":
             opt = torch.optim.AdamW(groups, lr=1e-2, amsgrad=True)
-        elif kind == "sgd":
-            opt = torch.optim.SGD(groups, lr=1e-2)
+        elif kind == "torch_rmsprop":
+            opt = torch.optim.RMSprop(groups, lr=1e-2)
+        elif kind == "torch_sgd":
+            opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True)
+        elif kind == "lion":
+            opt = lightning_pure_bf16.Lion(groups, lr=1e-3, moments="int8")
         elif kind == "pure":
             opt = lightning_pure_bf16.AdamW(groups, lr=1e-2, rounding="kahan")
         else:
