@@ -245,3 +245,43 @@ def test_bad_options_are_refused_by_name_before_any_state(make, error, match):
     p = [torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)]
     with pytest.raises(error, match=match):
         make(p)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("name", ["lion", "sgd"])
+def test_the_cpu_loop_equals_the_torch_path_across_the_2_32_boundary_and_on_huge_weights(name, rounding, int8):
+    """The generic C++ loop against the PyTorch path on a piece whose indices cross 2**32 (the random bits' high word
+    changes inside a block of bf16 states), with weights near bf16's largest (where the loop decides the stochastic
+    sum again exactly) and an 8-bit Kahan remainder with 8-bit states."""
+    if not fused_cpu_available():
+        pytest.skip("the fused CPU loop did not compile")
+    from lightning_pure_bf16.ops import quant
+    from lightning_pure_bf16.ops.algorithms import LionArgs, SGDArgs
+    from lightning_pure_bf16.ops.update_cpu import update_cpu_
+    from lightning_pure_bf16.ops.update_torch import update_torch_
+
+    n, offset = (20 * 128 + 50, 2**32 - 5 * 128) if int8 else (2000, 2**32 - 777)
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=g)
+    p[::97] *= 1e38
+    state = torch.randn(n, generator=g) * 0.1
+    keys = (0x1234567, 0x7654321, 0x0BADF00D)
+    if name == "lion":
+        args = LionArgs(1e-2, 0.9, 0.99, 0.1, step=3, rounding=rounding, keys=keys, grad_scale=0.5)
+    else:
+        args = SGDArgs(1e-2, 0.9, 0.0, 0.1, nesterov=True, step=3, rounding=rounding, keys=keys, grad_scale=0.5)
+    outputs = []
+    for update in (update_torch_, update_cpu_):
+        weight, grad = p.to(torch.bfloat16), torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+        scales = [quant.block_scales(state)] if int8 else []
+        states = [quant.encode_m(state, scales[0], torch.zeros(n, dtype=torch.int32)) if int8 else state.bfloat16()]
+        comp = None
+        if rounding == "kahan":
+            comp = torch.randint(-100, 100, (n,), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+            comp = comp if int8 else (comp.float() * 1e-6).bfloat16()
+        kw = {"chunk_size": 128} if update is update_torch_ else {}
+        update(weight, grad, states, comp, args, scales=scales, index_offset=offset, **kw)
+        outputs.append([t.view(torch.uint8) for t in (weight, *states, *scales, *([comp] if comp is not None else []))])
+    for i, (a, b) in enumerate(zip(*outputs)):
+        assert torch.equal(a, b), f"tensor {i}: {int((a != b).sum())} bytes differ"
