@@ -45,7 +45,7 @@ trained with float32 master weights and states (its reference optimizer: torch.o
 with the reference optimizer directly on bf16 weights (round to nearest); at a learning rate of training from scratch
 and at one of fine-tuning (``FAMILY_LRS``), two seeds, on the small GPT. Resumable as the quality studies.
 
-    python benchmarks/convergence.py --study family            # 32 runs of 600 steps
+    python benchmarks/convergence.py --study family            # 32 runs of 300 steps, 2-5 min each
     python benchmarks/convergence.py --study family --quick    # 100 steps, seed 0
 Writes benchmarks/results/convergence_family{,_quick}.{csv,md,png} and its _runs.json.
 """
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             args.steps = args.steps or (20 if args.quick else 300)
         args.warmup = min(args.warmup, args.steps // 10)
     if args.study in ("int8", "family"):
-        args.steps = args.steps or (100 if args.quick else 400 if args.study == "int8" else 600)
+        args.steps = args.steps or (100 if args.quick else 400 if args.study == "int8" else 300)
         args.warmup = min(args.warmup, args.steps // 10)
     args.steps = args.steps or (200 if args.quick else 1200)
     args.eval_every = args.eval_every or max(1, args.steps // 12)

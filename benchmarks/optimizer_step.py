@@ -1,4 +1,5 @@
-"""Optimizer step time and effective bandwidth: pure-bf16 AdamW against torch.optim.AdamW on the same bf16 buffers.
+"""Optimizer step time and effective bandwidth: pure-bf16 AdamW against torch.optim.AdamW on the same bf16 buffers;
+pure-bf16 Lion and SGD with momentum (one state: 10 bytes/param) against torch.optim.SGD.
 
 Effective bandwidth counts the bytes a step must move: read p, g, m, v and write p, m, v at 2 bytes each (14 B/param),
 plus a read and a write of the Kahan buffer (18 B/param). A copy of as many bytes gives the bandwidth ceiling (device to
@@ -22,14 +23,22 @@ from pathlib import Path
 import torch
 from _results import write_results
 
-from lightning_pure_bf16 import AdamW
+from lightning_pure_bf16 import SGD, AdamW, Lion
 
 RESULTS = Path(__file__).parent / "results"
 # One transformer block at d_model=2048 (attention qkv + out, 4x MLP, two norms): typical per-tensor shapes.
 LAYER_SHAPES = [(6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192), (2048,), (2048,)]
 # Bytes moved per parameter and step: read and write p, m, v (and the Kahan buffer), read g; 8-bit states move one
 # byte per moment (and remainder) each way, plus their scales (1/64 of a byte).
-BYTES_PER_PARAM = {"stochastic": 14, "nearest": 14, "kahan": 18, "torch": 14, "int8": 10, "int8_kahan": 12}
+BYTES_PER_PARAM = {
+    "stochastic": 14,
+    "nearest": 14,
+    "kahan": 18,
+    "torch": 14,
+    "int8": 10,
+    "int8_kahan": 12,
+    "one_state": 10,
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -119,6 +128,29 @@ def _candidates(
                 ),
             )
         )
+        if backend != "torch":
+            # The algorithms with one state per element, as the ZeRO-3 strategies run them.
+            cands.append(
+                (
+                    f"pure_bf16 Lion stochastic, no inf/NaN check ({backend})",
+                    "one_state",
+                    lambda ps, b=backend: _unchecked(Lion(ps, lr=1e-5, weight_decay=0.1, backend=b, seed=0)),
+                )
+            )
+            cands.append(
+                (
+                    f"pure_bf16 SGD momentum stochastic, no inf/NaN check ({backend})",
+                    "one_state",
+                    lambda ps, b=backend: _unchecked(SGD(ps, lr=1e-4, momentum=0.9, nesterov=True, backend=b, seed=0)),
+                )
+            )
+    cands.append(
+        (
+            "torch.optim.SGD momentum foreach",
+            "one_state",
+            lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9, foreach=True),
+        )
+    )
     cands.append(("torch.optim.AdamW foreach", "torch", lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)))
     cands.append(("torch.optim.AdamW fused", "torch", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)))
     return cands
@@ -233,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{command}`. Median of {repeats} steps after {warmup} warm-up, the best of {rounds} round(s) for"
         " all but the chunked PyTorch path. GB/s counts 14 bytes/param moved (18 with Kahan, 10 with 8-bit moments,"
         " 12 with 8-bit moments and remainder). `speed vs ...` is that optimizer's time divided by this time (>1 is"
-        " faster). Our steps read the gradients once more before the update to check them for inf/NaN (a skipped"
-        " step changes nothing), except the rows `no inf/NaN check`: the step as the ZeRO-3 strategies run it, where"
+        " faster; for Lion and SGD, against torch's AdamW too: compare them with `torch.optim.SGD momentum foreach`,"
+        " which moves the same 10 bytes/param). Our steps read the gradients once more before the update to check"
+        " them for inf/NaN (a skipped step changes nothing), except the rows `no inf/NaN check`: the step as the ZeRO-3 strategies run it, where"
         " ZeRO-3 decides from its gradient norm. torch's fused AdamW has no such check.",
         "",
         "| case | optimizer | ms/step | GB/s | fraction of copy | speed vs foreach | speed vs fused |",

@@ -36,7 +36,7 @@ def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
 
 def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=g) for p in params]
+    return [torch.randn(p.shape, generator=g).to(p.device) for p in params]
 
 
 def _run(opt_cls, params, steps, groups_kw, start=0, opt=None, **kw):
@@ -285,3 +285,21 @@ def test_the_cpu_loop_equals_the_torch_path_across_the_2_32_boundary_and_on_huge
         outputs.append([t.view(torch.uint8) for t in (weight, *states, *scales, *([comp] if comp is not None else []))])
     for i, (a, b) in enumerate(zip(*outputs)):
         assert torch.equal(a, b), f"tensor {i}: {int((a != b).sum())} bytes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("rounding", "formats"),
+    [("stochastic", {}), ("kahan", {}), ("stochastic", {"moments": "int8"})],
+    ids=["stochastic", "kahan", "int8"],
+)
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_the_cuda_kernel_writes_the_bytes_of_the_torch_path_on_cuda(name, rounding, formats):
+    ours, _, groups = ALGORITHMS[name]
+    init = [p.cuda() for p in _params(torch.bfloat16, seed=3)]
+    results = []
+    for backend in ("torch", "triton"):
+        params, opt = _run(ours, init, 3, groups, rounding=rounding, seed=11, backend=backend, **formats)
+        results.append(_bits(params) + _bits(_state_tensors(params, opt)))
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"tensor {i}: {int((a != b).sum())} bytes differ from the PyTorch path on CUDA"
