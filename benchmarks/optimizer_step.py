@@ -267,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         " 12 with 8-bit moments and remainder). `speed vs ...` is that optimizer's time divided by this time (>1 is"
         " faster; for Lion and SGD, against torch's AdamW too: compare them with `torch.optim.SGD momentum foreach`,"
         " which moves the same 10 bytes/param). Our steps read the gradients once more before the update to check"
-        " them for inf/NaN (a skipped step changes nothing), except the rows `no inf/NaN check`: the step as the ZeRO-3 strategies run it, where"
-        " ZeRO-3 decides from its gradient norm. torch's fused AdamW has no such check.",
+        " them for inf/NaN (a skipped step changes nothing), except the rows `no inf/NaN check`: the step as the"
+        " ZeRO-3 strategies run it, where ZeRO-3 decides from its gradient norm. torch's fused AdamW has no such"
+        " check.",
         "",
         "| case | optimizer | ms/step | GB/s | fraction of copy | speed vs foreach | speed vs fused |",
         "|---|---|---:|---:|---:|---:|---:|",
