@@ -303,3 +303,35 @@ def test_the_cuda_kernel_writes_the_bytes_of_the_torch_path_on_cuda(name, roundi
         results.append(_bits(params) + _bits(_state_tensors(params, opt)))
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"tensor {i}: {int((a != b).sum())} bytes differ from the PyTorch path on CUDA"
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_dtensor_parameters_train_bit_for_bit_as_plain_tensors(name, tmp_path):
+    """FSDP2's DTensors (a 1-rank mesh, in this process): each shard draws its bits by its elements' indices in the
+    whole tensor, so Lion and SGD over DTensors write the bytes of the same optimizer over plain tensors, their states
+    DTensors sharded like the parameters."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+
+    ours, _, groups = ALGORITHMS[name]
+    init = [p for p in _params(torch.bfloat16) if p.ndim == 2]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = [torch.nn.Parameter(distribute_tensor(p.clone(), mesh, [Shard(0)])) for p in init]
+        opt = ours([{"params": sharded[:1], **groups[0]}, {"params": sharded[1:], **groups[1]}], seed=5)
+        for t in range(3):
+            for p, g in zip(sharded, _grads(init, t)):
+                p.grad = distribute_tensor(g.to(torch.bfloat16), mesh, [Shard(0)])
+            opt.step()
+        plain = [p.clone().requires_grad_() for p in init]
+        plain_opt = ours([{"params": plain[:1], **groups[0]}, {"params": plain[1:], **groups[1]}], seed=5)
+        _run(ours, plain, 3, groups, opt=plain_opt)
+        assert all(torch.equal(p.to_local(), q.detach()) for p, q in zip(sharded, plain))
+        for p, q in zip(sharded, plain):
+            for key, value in plain_opt.state[q].items():
+                if isinstance(value, torch.Tensor) and value.ndim:
+                    state = opt.state[p][key]
+                    assert isinstance(state, DTensor) and torch.equal(state.to_local(), value), key
+    finally:
+        dist.destroy_process_group()
