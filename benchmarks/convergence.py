@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         "--arms", nargs="+", choices=quality_arms.STUDY_ARMS, default=None, help="width/finetune: default all"
     )
     parser.add_argument("--finetune-lrs", type=float, nargs="+", default=[1e-5, 3e-5])
+    parser.add_argument(
+        "--algorithms", nargs="+", choices=("lion", "sgd"), default=None, help="family: run these only (default all)"
+    )
     parser.add_argument("--pretrain-seed", type=int, default=0, help="finetune: the width run it starts from")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--gpu", action="store_true", help="width study: GPT-2 124M on a CUDA machine")
@@ -443,6 +446,8 @@ def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows,
     seeds = args.seeds[:1] if args.quick else args.seeds
     arms = quality_arms.FAMILY_ARMS
     for algorithm, lrs in FAMILY_LRS.items():
+        if args.algorithms and algorithm not in args.algorithms:
+            continue
         args.weight_decay = quality_arms.FAMILY[algorithm]["weight_decay"]
         for lr in lrs:
             for seed in seeds:
@@ -451,6 +456,9 @@ def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows,
                     if key not in runs:
                         runs[key] = train_arm(f"{algorithm}:{arm}", lr, args, train, val, device, seed)
                         _atomic_write_json(runs, runs_path)
+
+    if args.algorithms and set(args.algorithms) != set(FAMILY_LRS):
+        return 0  # a part of the study: its runs are kept; the report waits for the whole
 
     def curve(algorithm: str, arm: str, lr: float, seed: int) -> list:
         return runs[f"{algorithm}:{arm}:lr{lr:g}:seed{seed}"]
