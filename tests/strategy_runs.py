@@ -98,3 +98,10 @@ def fit_nodes(out: Path, num_nodes: int, **opts: object) -> None:
 
 def load_ranks(out: Path, world_size: int = 2) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def state_buffers(result: dict) -> list[tuple[str, torch.dtype, int]]:
+    """The model-state buffers among every tensor a launched fit found reachable from DeepSpeed's ZeRO-3 optimizer
+    (``result["zero_buffers"]``: name, dtype, bytes, in a state file), by storage: scalars (step counters, the norm,
+    the overflow flag), the fixed-size reduce bucket and buffers in memory-mapped state files left out."""
+    return [(n, d, b) for n, d, b, f in result["zero_buffers"] if b > 16 and ".ipg_buckets." not in n and not f]

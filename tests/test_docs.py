@@ -33,8 +33,16 @@ def snippets() -> list[tuple[str, bool, str]]:
 SNIPPETS = snippets()
 
 
-def test_the_pages_have_snippets_and_some_run():
-    assert len(SNIPPETS) >= 10 and any(run for _, run, _ in SNIPPETS)
+def test_every_way_of_use_shows_a_snippet_and_the_optimizer_pages_run_theirs():
+    """Each page the site lists under "Ways of use" shows Python, and the optimizers' pages run what they show."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    ways = re.search(r"  - Ways of use:\n((?:      - .*\n)+)", nav).group(1)
+    pages = re.findall(r": (\S+\.md)", ways)
+    assert len(pages) >= 8, ways
+    for page in pages:
+        assert any(where.startswith(f"docs/{page}#") for where, _, _ in SNIPPETS), f"docs/{page} shows no Python"
+    for page in ("optimizer.md", "optimizers.md"):
+        assert any(where.startswith(f"docs/{page}#") and run for where, run, _ in SNIPPETS), page
 
 
 @pytest.mark.parametrize(("where", "run", "code"), SNIPPETS, ids=[w for w, _, _ in SNIPPETS])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from lightning_pure_bf16 import consolidate_checkpoint
 from lightning_pure_bf16.checkpoint import MANIFEST, consolidate_optimizer_state
 from tests import warm
-from tests.strategy_runs import SCRIPTS, TIMEOUT_S, _env, load_ranks
+from tests.strategy_runs import SCRIPTS, TIMEOUT_S, _env, load_ranks, state_buffers
 
 
 def fabric_run(out, check: bool = True, **opts) -> subprocess.CompletedProcess:
@@ -101,13 +103,18 @@ def runs(tmp_path_factory):
     ]
     fit_runs(out, runs, script="fabric_mlp.py", exact=True)
     exits = [(out / "plain" / f"exit_rank{r}.txt").read_text() for r in range(2)]
-    return load_ranks(out / "plain"), load_ranks(out / "whole"), load_ranks(out / "resumed"), ckpt, exits
+    return FabricRuns(load_ranks(out / "plain"), load_ranks(out / "whole"), load_ranks(out / "resumed"), ckpt, exits)
 
 
-def _state_buffers(rank: dict) -> list[tuple[str, torch.dtype, int]]:
-    # An independent walk of every tensor reachable from DeepSpeed's ZeRO-3 optimizer, by storage. Scalars (step
-    # counters, the norm, the overflow flag) and the fixed-size reduce bucket are not model state.
-    return [(n, d, b) for n, d, b, f in rank["zero_buffers"] if b > 16 and ".ipg_buckets." not in n and not f]
+class FabricRuns(NamedTuple):
+    """What the module's launch left: each fit's ranks, the step-4 checkpoint, and whether each rank of the plain
+    fit still had a process group when its interpreter was about to finalize."""
+
+    plain: list[dict]
+    whole: list[dict]
+    resumed: list[dict]
+    checkpoint: Path
+    exits: list[str]
 
 
 def test_fabric_loop_holds_8_bytes_per_param_and_10_with_kahan(runs):
@@ -115,7 +122,7 @@ def test_fabric_loop_holds_8_bytes_per_param_and_10_with_kahan(runs):
     for rank in plain:
         assert rank["memory_report"]["total"] == pytest.approx(8.0, abs=0.01)
         assert rank["precision"] == "PureBF16FabricPrecision"
-        assert all(dtype == torch.bfloat16 for _, dtype, _ in _state_buffers(rank)), _state_buffers(rank)
+        assert all(dtype == torch.bfloat16 for _, dtype, _ in state_buffers(rank)), state_buffers(rank)
     for rank in whole:
         assert rank["memory_report"]["total"] == pytest.approx(10.0, abs=0.01)
         assert rank["memory_report"]["kahan_comp"] == pytest.approx(2.0)
@@ -124,8 +131,8 @@ def test_fabric_loop_holds_8_bytes_per_param_and_10_with_kahan(runs):
 def test_independent_walk_of_zero_buffers_agrees(runs):
     plain, whole, _, _, _ = runs
     for rank in plain + whole:
-        walked = sum(b for _, _, b in _state_buffers(rank)) / rank["memory_report"]["params_on_rank"]
-        assert walked == pytest.approx(rank["memory_report"]["total"], rel=0.01), _state_buffers(rank)
+        walked = sum(b for _, _, b in state_buffers(rank)) / rank["memory_report"]["params_on_rank"]
+        assert walked == pytest.approx(rank["memory_report"]["total"], rel=0.01), state_buffers(rank)
 
 
 def test_torch_adamw_is_adopted_with_its_groups_and_a_scheduler_on_the_returned_optimizer(runs):
@@ -185,10 +192,10 @@ def test_save_load_continue_equals_uninterrupted_bit_for_bit(runs):
 
 
 def test_fabric_checkpoints_consolidate(runs):
-    weights = consolidate_checkpoint(runs[3])
+    weights = consolidate_checkpoint(runs.checkpoint)
     assert set(weights) == {f"net.{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
-    state = consolidate_optimizer_state(runs[3])
+    state = consolidate_optimizer_state(runs.checkpoint)
     assert {k for st in state.values() for k in st} == {"exp_avg", "exp_avg_sq", "kahan_comp", "step"}
 
 
@@ -199,4 +206,4 @@ def test_an_optimizer_it_cannot_adopt_is_a_clear_error(tmp_path):
 
 
 def test_the_process_group_the_strategy_made_is_destroyed_before_the_interpreter_finalizes(runs):
-    assert runs[4] == ["False", "False"]
+    assert runs.exits == ["False", "False"]

@@ -18,7 +18,7 @@ import lightning_pure_bf16
 from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, PureBF16Precision, StateStorageError
 from lightning_pure_bf16.plan import plan
 from lightning_pure_bf16.strategy import STATE_DIR_ENV
-from tests.strategy_runs import _env, fit_runs, load_ranks, output, run_script
+from tests.strategy_runs import _env, fit_runs, load_ranks, output, run_script, state_buffers
 
 # Every parameter partitioned (no gathered "persistent" small parameters) and small buckets, so that every buffer the
 # ZeRO optimizer holds is model state or a small fixed communication bucket.
@@ -135,12 +135,6 @@ def exact_runs(two_ranks):
     return [load_ranks(two_ranks / f"exact{i}") for i in range(2)]
 
 
-def _state_buffers(result: dict) -> list[tuple[str, torch.dtype, int]]:
-    # Scalars (step counters, the norm, the overflow flag) and the fixed-size reduce bucket are not model state;
-    # buffers in memory-mapped state files are not in memory.
-    return [(n, d, b) for n, d, b, f in result["zero_buffers"] if b > 16 and ".ipg_buckets." not in n and not f]
-
-
 def test_registered_names():
     assert {"deepspeed_pure_bf16", "deepspeed_pure_bf16_kahan"} <= set(StrategyRegistry)
     assert StrategyRegistry["deepspeed_pure_bf16_kahan"]["init_params"] == {"rounding": "kahan"}
@@ -206,7 +200,7 @@ def test_model_state_is_8_bytes_per_param_all_bf16(exact_runs):
         assert report["total"] == pytest.approx(8.0)
         assert report["master"] == 0.0 and report["other_state"] == 0.0
         assert r["persistent_numel"] == 0
-        buffers = _state_buffers(r)
+        buffers = state_buffers(r)
         assert all(dtype == torch.bfloat16 for _, dtype, _ in buffers), buffers
         counted = sum(b for _, _, b in buffers) / report["params_on_rank"]
         assert counted <= 8.0 + 1e-9, buffers
@@ -216,7 +210,7 @@ def test_kahan_is_10_bytes_per_param(kahan_run):
     for r in kahan_run:
         report = r["memory_report"]
         assert report["total"] == pytest.approx(10.0) and report["kahan_comp"] == pytest.approx(2.0)
-        buffers = _state_buffers(r)
+        buffers = state_buffers(r)
         assert all(dtype == torch.bfloat16 for _, dtype, _ in buffers)
         assert sum(b for _, _, b in buffers) / report["params_on_rank"] <= 10.0 + 1e-9
 
@@ -250,7 +244,7 @@ def test_sgd_and_lion_train_with_one_state_per_parameter(two_ranks, name, optimi
         assert report[state] == pytest.approx(state_bytes, rel=2e-3)
         assert report["total"] == pytest.approx(4.0 + state_bytes, rel=1e-3)
         assert report["exp_avg_sq"] == 0.0 and report["master"] == 0.0 and report["other_state"] == 0.0
-        buffers = _state_buffers(r)
+        buffers = state_buffers(r)
         assert {dtype for _, dtype, _ in buffers} == dtypes, buffers
         losses = r["losses"]
         assert sum(losses[-2:]) < sum(losses[:2]), losses
@@ -565,8 +559,8 @@ def test_mmap_states_leave_4_bytes_per_param_in_memory(mmap_run):
         assert report["exp_avg"] == report["exp_avg_sq"] == 0.0
         # An independent walk of what the ZeRO optimizer holds in memory: parameters and gradients only (on the CPU
         # the update works in the files' mapping: no streaming slots either).
-        slots = [(n, d, b) for n, d, b in _state_buffers(r) if "._storage.streamers." in n]
-        buffers = [(n, d, b) for n, d, b in _state_buffers(r) if "._storage.streamers." not in n]
+        slots = [(n, d, b) for n, d, b in state_buffers(r) if "._storage.streamers." in n]
+        buffers = [(n, d, b) for n, d, b in state_buffers(r) if "._storage.streamers." not in n]
         assert slots == [], slots
         assert all(dtype == torch.bfloat16 for _, dtype, _ in buffers), buffers
         assert sum(b for _, _, b in buffers) / report["params_on_rank"] <= 4.0 + 1e-9, buffers
