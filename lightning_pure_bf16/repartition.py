@@ -334,7 +334,7 @@ PIECE = 1 << 22
 
 
 @dataclass(frozen=True)
-class _Run:
+class _SavedSpan:
     """Elements of one parameter contiguous in this rank's live partition and in one saved rank's."""
 
     live: int  # offset in this rank's flat partition of the live sub-group
@@ -344,7 +344,7 @@ class _Run:
     count: int
 
 
-def _runs(checkpoint: ZeroCheckpoint, params: list[tuple[str, int, int]], rank: int) -> list[_Run]:
+def _saved_spans(checkpoint: ZeroCheckpoint, params: list[tuple[str, int, int]], rank: int) -> list[_SavedSpan]:
     """Where every element of this rank's live partition (``(name, numel, partition numel)`` per parameter) is saved;
     the partition's padding is in no run."""
     runs, live = [], 0
@@ -357,13 +357,13 @@ def _runs(checkpoint: ZeroCheckpoint, params: list[tuple[str, int, int]], rank: 
             saved_rank = element // saved_part
             stop = min(end, (saved_rank + 1) * saved_part)
             saved = place.offset + element - saved_rank * saved_part
-            runs.append(_Run(live + element - first, saved_rank, place.sub_group, saved, stop - element))
+            runs.append(_SavedSpan(live + element - first, saved_rank, place.sub_group, saved, stop - element))
             element = stop
         live += part
     return runs
 
 
-def _pieces(runs: list[_Run], size: int) -> Iterator[tuple[int, int, list[_Run]]]:
+def _pieces(runs: list[_SavedSpan], size: int) -> Iterator[tuple[int, int, list[_SavedSpan]]]:
     """``(start, count, runs)`` for each piece of :data:`PIECE` elements of a live partition of ``size``: the runs
     clipped to the piece."""
     i = 0
@@ -373,7 +373,7 @@ def _pieces(runs: list[_Run], size: int) -> Iterator[tuple[int, int, list[_Run]]
         while i < len(runs) and runs[i].live < end:
             run = runs[i]
             lo, hi = max(run.live, start), min(run.live + run.count, end)
-            clipped.append(_Run(lo, run.rank, run.sub_group, run.saved + lo - run.live, hi - lo))
+            clipped.append(_SavedSpan(lo, run.rank, run.sub_group, run.saved + lo - run.live, hi - lo))
             if run.live + run.count > end:
                 break  # the rest of the run is in the next piece
             i += 1
@@ -381,7 +381,7 @@ def _pieces(runs: list[_Run], size: int) -> Iterator[tuple[int, int, list[_Run]]
 
 
 def _gathered(
-    checkpoint: ZeroCheckpoint, key: str, start: int, count: int, runs: list[_Run]
+    checkpoint: ZeroCheckpoint, key: str, start: int, count: int, runs: list[_SavedSpan]
 ) -> dict[str, torch.Tensor]:
     """A piece of ``key`` as stored (floats, or 8-bit codes with ``KEY_scale`` the scale of each element, NaN in the
     padding), from the saved ranks' files."""
@@ -449,7 +449,7 @@ def load_repartitioned(
     optimizer.wait_for_state_writes()
     with _internals.zero3_partitioned_for_load(zero_optimizer):
         for sub, master in zip(layout, masters):
-            runs = _runs(checkpoint, sub.params, rank)
+            runs = _saved_spans(checkpoint, sub.params, rank)
             kahan = optimizer.param_groups[sub.group]["rounding"] == "kahan"
             for start, count, piece in _pieces(runs, sub.flat.numel()):
                 weights = sub.flat.narrow(0, start, count)
