@@ -346,7 +346,11 @@ class PureBF16Optimizer(Optimizer):
         self.init_states([(p, group) for p, group, _ in plan])
         self._storage.verify(self.state[p] for p, _, _ in plan)
         for p, group, backend in plan:
-            self._update(p, group, backend)
+            state = self.state[p]
+            state["step"] += 1
+            shard, grad = sharded.local_pair(name, p)
+            if shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
+                self._write(p, group, grad, 0, backend, step=int(state["step"].item()))
         return True
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any] | None:
@@ -492,13 +496,6 @@ class PureBF16Optimizer(Optimizer):
     def nonfinite(self, tensors: list[torch.Tensor]) -> list[bool]:
         """For each tensor, whether it holds inf or NaN (one read each; one device synchronization in all)."""
         return functional.nonfinite(tensors, self.backend)
-
-    def _update(self, p: torch.Tensor, group: dict[str, Any], backend: str) -> None:
-        state = self.init_state(p, group)
-        state["step"] += 1
-        shard, grad = sharded.local_pair(type(self).__name__, p)
-        if shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
-            self._write(p, group, grad, 0, backend, step=int(state["step"].item()))
 
     def _write(
         self,
