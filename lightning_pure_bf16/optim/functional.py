@@ -19,7 +19,7 @@ from lightning_pure_bf16.ops.rng import Buffer, stream_key
 from lightning_pure_bf16.ops.update_cpu import any_nonfinite_cpu, can_use_fused_cpu, fused_cpu_available, update_cpu_
 from lightning_pure_bf16.ops.update_torch import DEFAULT_CHUNK, intercepts_operations, update_torch_
 from lightning_pure_bf16.optim import sharded
-from lightning_pure_bf16.optim.options import check_choice
+from lightning_pure_bf16.optim.options import check_choice, check_lr, check_non_negative
 
 _TRITON_AVAILABLE = RequirementCache("triton")
 
@@ -249,18 +249,12 @@ def any_nonfinite(tensors: list[torch.Tensor], backend: str) -> torch.Tensor:
 
 
 def check_hyperparameters(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, rounding: Any) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"`{name}(lr=...)` must be a float or a one-element tensor, got shape {tuple(lr.shape)}.")
-        lr = float(lr)
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0.0:
-        raise ValueError(f"`{name}(lr={lr!r})`: the learning rate must be a finite number >= 0.")
-    if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"`{name}(eps={eps!r})`: eps must be a finite number >= 0.")
+    """Adam's hyperparameters, each refused by name."""
+    check_lr(name, lr)
+    check_non_negative(name, "eps", eps)
     if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ValueError(f"`{name}(betas={betas!r})`: both betas must be in [0, 1).")
-    if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"`{name}(weight_decay={weight_decay!r})`: weight decay must be a finite number >= 0.")
+    check_non_negative(name, "weight_decay", weight_decay, "weight decay")
     check_choice(name, "rounding", rounding, ROUNDING_MODES)
 
 

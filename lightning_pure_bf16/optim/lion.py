@@ -6,7 +6,6 @@ bf16, 1 in 8 bits.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from lightning_pure_bf16.ops.algorithms import LionArgs
 from lightning_pure_bf16.optim.base import PureBF16Optimizer
+from lightning_pure_bf16.optim.options import check_lr, check_non_negative
 
 
 class Lion(PureBF16Optimizer):
@@ -44,15 +44,11 @@ class Lion(PureBF16Optimizer):
 
     @classmethod
     def check_group(cls, who: str, group: dict[str, Any]) -> None:
-        lr, betas, weight_decay = group["lr"], group["betas"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor):
-            lr = float(lr)
-        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0.0:
-            raise ValueError(f"`{who}(lr={lr!r})`: the learning rate must be a finite number >= 0.")
+        check_lr(who, group["lr"])
+        betas = group["betas"]
         if len(betas) != 2 or not all(0.0 <= float(b) <= 1.0 for b in betas):
             raise ValueError(f"`{who}(betas={betas!r})`: both betas must be in [0, 1].")
-        if not math.isfinite(weight_decay) or weight_decay < 0.0:
-            raise ValueError(f"`{who}(weight_decay={weight_decay!r})`: weight decay must be a finite number >= 0.")
+        check_non_negative(who, "weight_decay", group["weight_decay"], "weight decay")
         super().check_group(who, group)
 
     def update_args(

@@ -8,6 +8,7 @@ wrote it (``who`` is the call the user made, ``"AdamW"`` or ``"DeepSpeedPureBF16
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,22 @@ def check_choice(who: str, name: str, value: Any, choices: Collection[Any]) -> N
     """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"`{who}({name}={value!r})` is not one of {tuple(choices)}.")
+
+
+def check_lr(who: str, lr: Any) -> None:
+    """A learning rate is a finite number >= 0, or a one-element tensor of one (torch.optim takes a tensor lr)."""
+    if hasattr(lr, "numel"):
+        if lr.numel() != 1:
+            raise ValueError(f"`{who}(lr=...)` must be a float or a one-element tensor, got shape {tuple(lr.shape)}.")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0.0:
+        raise ValueError(f"`{who}(lr={lr!r})`: the learning rate must be a finite number >= 0.")
+
+
+def check_non_negative(who: str, name: str, value: Any, what: str | None = None) -> None:
+    """A hyperparameter ``name`` that is a finite number >= 0 (``what``: its words in the message; default ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"`{who}({name}={value!r})`: {what or name} must be a finite number >= 0.")
 
 
 def check_seed(who: str, seed: Any) -> None:
@@ -188,6 +205,8 @@ __all__ = [
     "TORCH_ONLY_GROUP_KEYS",
     "UNSUPPORTED_TORCH_OPTIONS",
     "check_choice",
+    "check_lr",
+    "check_non_negative",
     "check_power_of_two",
     "check_seed",
     "check_torch_arguments",

@@ -6,7 +6,6 @@ state (the weights and their gradients only: 4 bytes/param); with it, one buffer
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from lightning_pure_bf16.ops.algorithms import SGDArgs
 from lightning_pure_bf16.optim.base import PureBF16Optimizer
+from lightning_pure_bf16.optim.options import check_lr, check_non_negative
 
 
 class SGD(PureBF16Optimizer):
@@ -54,13 +54,9 @@ class SGD(PureBF16Optimizer):
 
     @classmethod
     def check_group(cls, who: str, group: dict[str, Any]) -> None:
-        lr = float(group["lr"]) if isinstance(group["lr"], torch.Tensor) else group["lr"]
-        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0.0:
-            raise ValueError(f"`{who}(lr={lr!r})`: the learning rate must be a finite number >= 0.")
+        check_lr(who, group["lr"])
         for key in ("momentum", "dampening", "weight_decay"):
-            value = group[key]
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0.0:
-                raise ValueError(f"`{who}({key}={value!r})`: {key} must be a finite number >= 0.")
+            check_non_negative(who, key, group[key])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(
                 f"`{who}(nesterov=True)` needs momentum > 0 and dampening == 0 (got momentum={group['momentum']!r},"
