@@ -1,7 +1,7 @@
-"""The optimizer's state dicts and the conversions between state formats: what :meth:`AdamW.state_dict` writes and
-:meth:`AdamW.load_state_dict` reads (torch.optim's moments converted, states in files filled, 8-bit codes kept or
-encoded, DTensor states' per-element block scales), and states written range by range
-(:meth:`AdamW.load_state_range`, what a re-partitioning load calls).
+"""The optimizer's state dicts and the conversions between state formats: what
+:meth:`PureBF16Optimizer.state_dict` writes and :meth:`PureBF16Optimizer.load_state_dict` reads (torch.optim's states
+converted, states in files filled, 8-bit codes kept or encoded, DTensor states' per-element block scales), and states
+written range by range (:meth:`PureBF16Optimizer.load_state_range`, what a re-partitioning load calls).
 
 Functions of the optimizer, which keeps the state; this module keeps none.
 """
@@ -20,11 +20,12 @@ from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.options import UNSUPPORTED_TORCH_OPTIONS
 
 if TYPE_CHECKING:
-    from lightning_pure_bf16.optim.base import PureBF16Optimizer as AdamW
+    from lightning_pure_bf16.optim.base import PureBF16Optimizer
 
 # A tensor's state: "step" (an int64 counter), "stream" (its noise stream, an int), the algorithm's per-element
-# states (AdamW.state_names), the Kahan remainder, and the 8-bit states' block scales (one bf16 per ops.quant.QBLOCK
-# elements, under the state's name plus this suffix). Every tensor but "step" is a buffer state_storage places.
+# states (PureBF16Optimizer.state_names), the Kahan remainder, and the 8-bit states' block scales (one bf16 per
+# ops.quant.QBLOCK elements, under the state's name plus this suffix). Every tensor but "step" is a buffer
+# state_storage places.
 KAHAN_KEY = "kahan_comp"
 _SCALE_SUFFIX = "_scale"
 EXTRA_KEY = "pure_bf16"
@@ -50,15 +51,18 @@ def _decode(codes: torch.Tensor, scales: torch.Tensor, slot: int) -> torch.Tenso
 
 
 @torch.no_grad()
-def load_state_range(optimizer: AdamW, p: torch.Tensor, start: int, values: dict[str, torch.Tensor]) -> None:
+def load_state_range(
+    optimizer: PureBF16Optimizer, p: torch.Tensor, start: int, values: dict[str, torch.Tensor]
+) -> None:
     """Write elements ``[start, start + n)`` of the state buffers of ``p`` (a plain tensor whose state exists,
-    :meth:`AdamW.init_state`) from ``values``, keyed as the buffers (``exp_avg``, ``exp_avg_sq``, ``kahan_comp``), each
-    1-D of ``n`` elements in any format; what it reads is one range, what it writes goes straight into the
-    buffers (memory or files), so a checkpoint of any size loads in pieces:
+    :meth:`PureBF16Optimizer.init_state`) from ``values``, keyed as the buffers (the algorithm's states, AdamW's
+    ``exp_avg`` and ``exp_avg_sq``, and ``kahan_comp``), each 1-D of ``n`` elements in any format; what it reads is one
+    range, what it writes goes straight into the buffers (memory or files), so a checkpoint of any size loads in
+    pieces:
 
     - floats (bf16, float32): a bf16 buffer takes them rounded to nearest; 8-bit moments encode them in their own
       blocks of this range; an 8-bit remainder encodes them against the weight ``p`` holds now. Encodings draw the
-      noise of the tensor's stream at step 0, as :meth:`AdamW.load_state_dict` does, whatever the range.
+      noise of the tensor's stream at step 0, as :meth:`PureBF16Optimizer.load_state_dict` does, whatever the range.
     - 8-bit moment codes with ``exp_avg_scale``/``exp_avg_sq_scale`` one per element (float32, the scale each code
       was written under; NaN where none: its code 0): re-blocked (:func:`ops.quant.reblock`), a block whose codes
       share a scale kept bit for bit.
@@ -112,8 +116,8 @@ def load_state_range(optimizer: AdamW, p: torch.Tensor, start: int, values: dict
 
 
 @torch.no_grad()
-def dequantized(optimizer: AdamW, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    """:meth:`AdamW.dequantized_state`."""
+def dequantized(optimizer: PureBF16Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:meth:`PureBF16Optimizer.dequantized_state`."""
     stored = optimizer.state.get(p, {})
     out: dict[str, torch.Tensor] = {}
     state = {k: sharded.local(v) if isinstance(v, torch.Tensor) else v for k, v in stored.items()}
@@ -133,8 +137,8 @@ def dequantized(optimizer: AdamW, p: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v.reshape(p.shape) for k, v in out.items()}
 
 
-def state_dict(optimizer: AdamW) -> dict[str, Any]:
-    """:meth:`AdamW.state_dict` (see there)."""
+def state_dict(optimizer: PureBF16Optimizer) -> dict[str, Any]:
+    """:meth:`PureBF16Optimizer.state_dict` (see there)."""
     optimizer._storage.check_kept(type(optimizer).__name__, "save")
     optimizer.wait_for_state_writes()
     sd = Optimizer.state_dict(optimizer)
@@ -152,8 +156,8 @@ def state_dict(optimizer: AdamW) -> dict[str, Any]:
     return sd
 
 
-def load_state_dict(optimizer: AdamW, state_dict: dict[str, Any]) -> None:
-    """:meth:`AdamW.load_state_dict` (see there)."""
+def load_state_dict(optimizer: PureBF16Optimizer, state_dict: dict[str, Any]) -> None:
+    """:meth:`PureBF16Optimizer.load_state_dict` (see there)."""
     optimizer.wait_for_state_writes()  # a write still running must not land over the loaded states
     loaded: dict[str, Any] = {}
 
@@ -203,7 +207,7 @@ def load_state_dict(optimizer: AdamW, state_dict: dict[str, Any]) -> None:
         post.remove()
 
 
-def _from_torch_state_dict(optimizer: AdamW, sd: dict[str, Any]) -> dict[str, Any]:
+def _from_torch_state_dict(optimizer: PureBF16Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     """A state dict of the torch.optim optimizer of the same algorithm (``torch.optim.AdamW``/``Adam`` for
     :class:`AdamW`/:class:`Adam`, ``torch.optim.SGD`` for :class:`SGD`) made loadable: this optimizer's group options
     with the saved hyperparameters (checked first, before anything changes), each tensor's state as this optimizer
@@ -252,7 +256,9 @@ def _from_torch_state_dict(optimizer: AdamW, sd: dict[str, Any]) -> dict[str, An
     return {**sd, "state": states, "param_groups": groups}
 
 
-def _check_saved_formats(optimizer: AdamW, sd: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.dtype]]]:
+def _check_saved_formats(
+    optimizer: PureBF16Optimizer, sd: dict[str, Any]
+) -> list[tuple[torch.Tensor, dict[str, torch.dtype]]]:
     """Per parameter, the dtypes of its saved state tensors, after checking they suit this optimizer's formats
     (before anything changes). torch's loader casts every state tensor to the parameter's dtype; the 8-bit codes
     are cast back after it (their values are small integers, exact in bf16)."""
@@ -278,7 +284,7 @@ def _check_saved_formats(optimizer: AdamW, sd: dict[str, Any]) -> list[tuple[tor
     return out
 
 
-def _restore_formats(optimizer: AdamW, saved: list[tuple[torch.Tensor, dict[str, torch.dtype]]]) -> None:
+def _restore_formats(optimizer: PureBF16Optimizer, saved: list[tuple[torch.Tensor, dict[str, torch.dtype]]]) -> None:
     for p, dtypes in saved:
         state = optimizer.state.get(p)
         if not state:
@@ -292,7 +298,7 @@ def _restore_formats(optimizer: AdamW, saved: list[tuple[torch.Tensor, dict[str,
         state.update(encode_float_buffers(optimizer, p, state["stream"], present))
 
 
-def _compact_scales(optimizer: AdamW, p: torch.Tensor, state: dict[str, Any]) -> None:
+def _compact_scales(optimizer: PureBF16Optimizer, p: torch.Tensor, state: dict[str, Any]) -> None:
     """8-bit moments of a DTensor parameter loaded from :meth:`state_dict`, where each block scale is saved once per
     element (so DCP can reshard it like the parameter): back to one scale per block of this rank's shard. Saved at
     the same sharding, every block's elements carry one scale and the codes stay as they were, bit for bit; saved
@@ -318,7 +324,7 @@ def _compact_scales(optimizer: AdamW, p: torch.Tensor, state: dict[str, Any]) ->
 
 
 def encode_float_buffers(
-    optimizer: AdamW, p: torch.Tensor, stream: int, buffers: dict[str, torch.Tensor]
+    optimizer: PureBF16Optimizer, p: torch.Tensor, stream: int, buffers: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Moments or a remainder saved as floats (bf16, float32, torch.optim), for this optimizer's 8-bit formats:
     encoded once, with noise of the tensor's own stream at step 0 (never an update step). Others unchanged."""
@@ -351,7 +357,9 @@ def encode_float_buffers(
     }
 
 
-def check_saved_buffers(optimizer: AdamW, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+def check_saved_buffers(
+    optimizer: PureBF16Optimizer, state_dict: dict[str, Any]
+) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
     """The saved moments per parameter, after checking each matches its parameter (before anything changes)."""
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -400,7 +408,7 @@ def saveable(state: dict[str, Any]) -> dict[str, Any]:
 
 def _per_element_scales(p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
     """One tensor's state with its 8-bit block scales repeated for every element of its shard, as a DTensor sharded
-    like the DTensor ``p`` (see :meth:`AdamW.state_dict`); other states unchanged."""
+    like the DTensor ``p`` (see :meth:`PureBF16Optimizer.state_dict`); other states unchanged."""
     scale_keys = [k for k in stored_keys(state) if is_scale_key(k)]
     if not sharded.is_dtensor(p) or not scale_keys:
         return state

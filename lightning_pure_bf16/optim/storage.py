@@ -25,7 +25,7 @@ from lightning_pure_bf16.optim.state_dicts import (
 )
 
 if TYPE_CHECKING:
-    from lightning_pure_bf16.optim.base import PureBF16Optimizer as AdamW
+    from lightning_pure_bf16.optim.base import PureBF16Optimizer
 
 # The update of one tensor or range with the step's scalars bound, called as ``update(param, grad, states,
 # index_offset)``, ``states`` keyed as the optimizer's state.
@@ -100,13 +100,13 @@ class InMemory:
     def saveable(self, state: dict[str, Any]) -> dict[str, Any]:
         return state
 
-    def take_saved(self, optimizer: AdamW, state_dict: dict[str, Any]) -> None:
+    def take_saved(self, optimizer: PureBF16Optimizer, state_dict: dict[str, Any]) -> None:
         """torch's loader puts the saved buffers in place: nothing to take."""
 
-    def put_saved(self, optimizer: AdamW, taken: None) -> None:
+    def put_saved(self, optimizer: PureBF16Optimizer, taken: None) -> None:
         """Nothing was taken."""
 
-    def adopt_copy(self, optimizer: AdamW) -> None:
+    def adopt_copy(self, optimizer: PureBF16Optimizer) -> None:
         """A copy's states are its own tensors already."""
 
 
@@ -226,7 +226,9 @@ class InFiles:
     def saveable(self, state: dict[str, Any]) -> dict[str, Any]:
         return saveable(state)
 
-    def take_saved(self, optimizer: AdamW, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    def take_saved(
+        self, optimizer: PureBF16Optimizer, state_dict: dict[str, Any]
+    ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """The saved buffers, checked against the parameters (before anything changes) and taken out of
         ``state_dict["state"]``: they go into fresh files (:meth:`put_saved`), not through the device."""
         taken = check_saved_buffers(optimizer, state_dict)
@@ -236,7 +238,7 @@ class InFiles:
         }
         return taken
 
-    def put_saved(self, optimizer: AdamW, taken: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    def put_saved(self, optimizer: PureBF16Optimizer, taken: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
         """Write the buffers :meth:`take_saved` took into fresh files (the old ones belonged to the replaced state);
         floats saved for 8-bit files are encoded first, as in memory."""
         self.store.release_all()
@@ -248,7 +250,7 @@ class InFiles:
                 if key in state:
                     state[key].view(-1).copy_(value.reshape(-1))
 
-    def adopt_copy(self, optimizer: AdamW) -> None:
+    def adopt_copy(self, optimizer: PureBF16Optimizer) -> None:
         """A copy's moments arrive as plain tensors (see :meth:`__getstate__`): they move into files of its own."""
         self.put_saved(optimizer, {p: {k: st.pop(k) for k in stored_keys(st)} for p, st in optimizer.state.items()})
 
