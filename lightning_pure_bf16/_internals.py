@@ -877,8 +877,9 @@ def mark_step_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
 def fill_data_parallel_size(strategy: Any) -> None:
     """Lightning's ``ModelParallelStrategy`` with ``data_parallel_size="auto"`` takes the number of nodes; an FSDP2 run
     alone on every rank needs the world size divided by the tensor-parallel size (before its mesh is built)."""
-    tensor_parallel = strategy._tensor_parallel_size
-    if strategy._data_parallel_size == "auto" and isinstance(tensor_parallel, int):
+    why = "the FSDP2 strategy's data-parallel size"
+    tensor_parallel = _read(strategy, "_tensor_parallel_size", why)
+    if _read(strategy, "_data_parallel_size", why) == "auto" and isinstance(tensor_parallel, int):
         strategy._data_parallel_size = max(strategy.world_size // tensor_parallel, 1)
 
 
