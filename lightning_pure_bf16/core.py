@@ -735,19 +735,27 @@ class LightningFrontEnd:
     strategy_name: str
     settings: PureBF16Settings
 
-    def _pure_bf16_init(self, lightning_init: Callable[..., None], arguments: dict[str, Any]) -> None:
+    def _pure_bf16_init(
+        self,
+        lightning_init: Callable[..., None],
+        *,
+        options: dict[str, Any],
+        config: dict[str, Any] | str | os.PathLike | None,
+        stage: int,
+        timeout: timedelta | None,
+        buckets: dict[str, int | None],
+        deepspeed: dict[str, Any],
+    ) -> None:
         """Check the arguments (before anything is set up), run Lightning's ``__init__`` with DeepSpeed's (``config``
         left to the settings), then resolve the settings and build the DeepSpeed config from them.
 
-        ``arguments`` is the front end's ``locals()`` at the start of its ``__init__``: the pure-bf16 options
-        (:data:`OPTION_NAMES`), ``config``, ``stage`` and the bucket sizes are read here, the rest (``**kwargs``
-        merged in) goes to Lightning's ``__init__``.
+        Args:
+            lightning_init: the ``__init__`` of Lightning's ``DeepSpeedStrategy`` of the front end's API.
+            options: the pure-bf16 options (:data:`OPTION_NAMES`), as the user gave them.
+            config, stage, timeout: as the user gave them.
+            buckets: ``reduce_bucket_size`` and ``allgather_bucket_size`` (``None``: this package's default).
+            deepspeed: every other argument of Lightning's ``__init__`` (the user's ``**kwargs`` among them).
         """
-        deepspeed = {k: v for k, v in arguments.items() if k not in ("self", "__class__", "kwargs")}
-        deepspeed.update(arguments.get("kwargs", {}))
-        options = {name: deepspeed.pop(name) for name in OPTION_NAMES}
-        config, stage, timeout = deepspeed.pop("config"), deepspeed.pop("stage"), deepspeed.pop("timeout")
-        buckets = {name: deepspeed.pop(name) for name in ("reduce_bucket_size", "allgather_bucket_size")}
         who = type(self).__name__
         check_zero3_arguments(who, stage, deepspeed)
         early = ("rounding", "seed", "backend", "moments", "compensation")  # checked before Lightning's __init__

@@ -94,7 +94,34 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
         logging_level: int = logging.WARN,
         **kwargs: Any,
     ) -> None:
-        self._pure_bf16_init(super().__init__, locals())
+        self._pure_bf16_init(
+            super().__init__,
+            options={
+                "rounding": rounding,
+                "seed": seed,
+                "backend": backend,
+                "moments": moments,
+                "compensation": compensation,
+                "state_storage": state_storage,
+                "state_dir": state_dir,
+                "gradient_release": gradient_release,
+                "gather_cache": gather_cache,
+            },
+            config=config,
+            stage=stage,
+            timeout=timeout,
+            buckets={"reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": allgather_bucket_size},
+            deepspeed={
+                "accelerator": accelerator,
+                "sub_group_size": sub_group_size,
+                "parallel_devices": parallel_devices,
+                "cluster_environment": cluster_environment,
+                "precision": precision,
+                "process_group_backend": process_group_backend,
+                "logging_level": logging_level,
+                **kwargs,
+            },
+        )
         # Fabric clips when `fabric.clip_gradients` asks: without this, DeepSpeed's default (clip to norm 1.0) would
         # apply to every step before the first such call (and not after it).
         self.config.setdefault("gradient_clipping", 0.0)

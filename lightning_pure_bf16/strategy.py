@@ -136,9 +136,39 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
                 f"`{self.strategy_name}` needs DeepSpeed: {_DEEPSPEED_AVAILABLE.message}."
                 " `pip install 'deepspeed>=0.19.8'`"
             )
-        arguments = locals()
-        self.trust_checkpoint = bool(arguments.pop("trust_checkpoint"))
-        self._pure_bf16_init(super().__init__, arguments)
+        self.trust_checkpoint = bool(trust_checkpoint)
+        self._pure_bf16_init(
+            super().__init__,
+            options={
+                "rounding": rounding,
+                "seed": seed,
+                "backend": backend,
+                "moments": moments,
+                "compensation": compensation,
+                "state_storage": state_storage,
+                "state_dir": state_dir,
+                "gradient_release": gradient_release,
+                "gather_cache": gather_cache,
+            },
+            config=config,
+            stage=stage,
+            timeout=timeout,
+            buckets={"reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": allgather_bucket_size},
+            deepspeed={
+                "accelerator": accelerator,
+                "sub_group_size": sub_group_size,
+                "partition_activations": partition_activations,
+                "cpu_checkpointing": cpu_checkpointing,
+                "contiguous_memory_optimization": contiguous_memory_optimization,
+                "synchronize_checkpoint_boundary": synchronize_checkpoint_boundary,
+                "parallel_devices": parallel_devices,
+                "cluster_environment": cluster_environment,
+                "precision_plugin": precision_plugin,
+                "process_group_backend": process_group_backend,
+                "logging_level": logging_level,
+                **kwargs,
+            },
+        )
 
     # -------------------------------------------------------------------------------------------------- precision
     @property
