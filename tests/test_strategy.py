@@ -324,7 +324,10 @@ def test_cpu_loop_is_ready_before_the_first_step(default_run):
 
 def test_cpu_fit_on_a_gpu_host_uses_deepspeeds_cpu_accelerator(one_rank):
     # On a GPU host DeepSpeed picks its CUDA accelerator; `accelerator="cpu"` must still train on the CPU with gloo.
-    assert load_ranks(one_rank / "gpu_host", 1)[0]["global_step"] == 2
+    (r,) = load_ranks(one_rank / "gpu_host", 1)
+    assert r["global_step"] == 2
+    assert r["deepspeed_accelerator"] == "cpu" and r["process_group_backend"] == "gloo"
+    assert all(t.device.type == "cpu" for t in r["flat_params"])
 
 
 def test_known_third_party_warnings_are_silenced_and_a_users_own_still_shows(two_ranks):

@@ -335,6 +335,10 @@ def main(out: Path, opts: dict) -> None:
     result["gradient_clipping"] = strat.deepspeed_engine.gradient_clipping()
     result["peak_memory"] = strat.peak_memory()
     result["world_size"] = trainer.world_size
+    from deepspeed.accelerator import get_accelerator
+
+    result["deepspeed_accelerator"] = get_accelerator().device_name()
+    result["process_group_backend"] = torch.distributed.get_backend()
     result["persistent_numel"] = sum(p.numel() for p in zero.parameter_offload.persistent_parameters)
     if opts.get("eval_loops"):
         result["validate"] = trainer.validate(model, loader, verbose=False)
