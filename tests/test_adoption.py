@@ -76,7 +76,7 @@ def test_a_torch_optimizer_with_state_is_refused():
         _adopt(torch_opt)
 
 
-def test_mmap_strategy_refuses_an_in_memory_optimizer(tmp_path):
+def test_adoption_for_states_in_files_refuses_an_optimizer_with_states_in_memory(tmp_path):
     with pytest.raises(ValueError, match="memory-mapped files.*state_storage='memory'"):
         _adopt(AdamW(_params()), state_storage="mmap", state_dir=str(tmp_path))
 

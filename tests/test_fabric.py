@@ -205,5 +205,5 @@ def test_an_optimizer_it_cannot_adopt_is_a_clear_error(tmp_path):
     assert "Fabric(strategy='deepspeed_pure_bf16')" in proc.stderr and "RMSprop" in proc.stderr
 
 
-def test_the_process_group_the_strategy_made_is_destroyed_before_the_interpreter_finalizes(runs):
+def test_the_process_group_the_fabric_strategy_made_is_destroyed_before_the_interpreter_finalizes(runs):
     assert runs.exits == ["False", "False"]
