@@ -131,7 +131,7 @@ def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
         zero3_master_partitions,
         zero3_param_partitions,
     )
-    from lightning_pure_bf16.memory import CATEGORIES, STATE_CATEGORY
+    from lightning_pure_bf16.memory import CATEGORIES, state_category
 
     found: dict[str, set[str]] = {"param": set(), "grad": set(), "master": set()}
     params = zero3_param_partitions(zero_optimizer)
@@ -146,7 +146,7 @@ def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
     for state in zero3_inner_optimizer(zero_optimizer).state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.ndim > 0:
-                category = STATE_CATEGORY.get(key, key)
+                category = state_category(key)
                 found.setdefault(category if category in CATEGORIES else "other_state", set()).add(
                     str(value.dtype).removeprefix("torch.")
                 )

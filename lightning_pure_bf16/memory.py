@@ -13,6 +13,7 @@ from lightning_pure_bf16._internals import (
     zero3_master_partitions,
     zero3_param_partitions,
 )
+from lightning_pure_bf16.optim import is_scale_key, scale_key
 from lightning_pure_bf16.optim.sharded import local
 
 CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "momentum_buffer", "kahan_comp", "other_state")
@@ -73,8 +74,10 @@ STATE_FILE_BYTES: dict[str, float] = {
 FROZEN_BYTES = 2
 
 
-# Optimizer state keys counted with another category: an 8-bit state's block scales belong to the state.
-STATE_CATEGORY = {f"{key}_scale": key for key in ("exp_avg", "exp_avg_sq", "momentum_buffer")}
+def state_category(key: str) -> str:
+    """The category of the optimizer state entry ``key``: itself, but an 8-bit state's block scales belong to the
+    state."""
+    return key.removesuffix(scale_key("")) if is_scale_key(key) else key
 
 
 def bytes_per_param(config: str) -> float:
@@ -129,7 +132,7 @@ def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None
                 if is_file_backed(value):
                     in_files += _nbytes(value)
                 else:
-                    category = STATE_CATEGORY.get(key, key)
+                    category = state_category(key)
                     nbytes[category if category in nbytes else "other_state"] += _nbytes(value)
     frozen = [p.ds_tensor for p in (module.parameters() if module is not None else ()) if not p.requires_grad]
     return _per_parameter(nbytes, n, in_files, frozen)
@@ -179,7 +182,7 @@ def sharded_model_state_report(
                 nbytes["grad"] += shard.numel() * shard.element_size()
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    category = STATE_CATEGORY.get(key, key)
+                    category = state_category(key)
                     nbytes[category if category in nbytes else "other_state"] += _nbytes(local(value))
     frozen = [local(p) for p in (module.parameters() if module is not None else ()) if id(p) not in trainable]
     return _per_parameter(nbytes, n, 0, frozen)
@@ -317,8 +320,8 @@ def format_report(report: dict[str, float]) -> str:
 
 
 __all__ = [
+    "state_category",
     "CATEGORIES",
-    "STATE_CATEGORY",
     "FROZEN_BYTES",
     "MODEL_STATE_BYTES",
     "STATE_FILE_BYTES",

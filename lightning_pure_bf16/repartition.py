@@ -34,7 +34,7 @@ import torch
 
 from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.durable import fsync_tree, replaced_atomically
-from lightning_pure_bf16.optim import quant
+from lightning_pure_bf16.optim import KAHAN_KEY, is_scale_key, quant, scale_key
 from lightning_pure_bf16.safe_load import CheckpointError, UntrustedCheckpointError, load_state_file
 from lightning_pure_bf16.shards import TensorSource
 
@@ -61,9 +61,6 @@ DEEPSPEED_KEYS = (
     "ds_config",
     "ds_version",
 )
-# The Kahan remainder; every other per-element state is an algorithm's (AdamW's exp_avg and exp_avg_sq, Lion's
-# exp_avg, SGD's momentum_buffer), 8-bit ones with their block scales under KEY_scale.
-KAHAN_KEY = "kahan_comp"
 _EXTRA_KEY = "pure_bf16"
 
 
@@ -151,7 +148,7 @@ class ZeroCheckpoint:
         return tuple(
             k
             for k, v in state.items()
-            if isinstance(v, torch.Tensor) and v.ndim and k != "step" and not k.endswith("_scale")
+            if isinstance(v, torch.Tensor) and v.ndim and k != "step" and not is_scale_key(k)
         )
 
     def step(self) -> int | None:
@@ -194,7 +191,7 @@ class ZeroCheckpoint:
             if key == KAHAN_KEY:
                 decoded = quant.decode_residual(value, self._flat(rank, sub_group, "param"))
             else:  # int8 codes of a signed state (slot 0), uint8 of a non-negative one (slot 1)
-                decoded = quant.decode_states(value, state[f"{key}_scale"], int(value.dtype == torch.uint8))
+                decoded = quant.decode_states(value, state[scale_key(key)], int(value.dtype == torch.uint8))
             self._decoded[cache_key] = decoded
         return self._decoded[cache_key]
 
@@ -389,15 +386,15 @@ def _gathered(
     out = {key: torch.zeros(count, dtype=stored.dtype)}
     coded = key != KAHAN_KEY and not stored.is_floating_point()
     if coded:
-        out[f"{key}_scale"] = torch.full((count,), float("nan"))
+        out[scale_key(key)] = torch.full((count,), float("nan"))
     for run in runs:
         here = slice(run.live - start, run.live - start + run.count)
         out[key][here] = checkpoint.stored(run.rank, run.sub_group, key, run.saved, run.count)
         if coded:
             first, last = run.saved // quant.QBLOCK, (run.saved + run.count - 1) // quant.QBLOCK
-            scales = checkpoint.stored(run.rank, run.sub_group, f"{key}_scale", first, last - first + 1)
+            scales = checkpoint.stored(run.rank, run.sub_group, scale_key(key), first, last - first + 1)
             each = scales.float().repeat_interleave(quant.QBLOCK)
-            out[f"{key}_scale"][here] = each.narrow(0, run.saved - first * quant.QBLOCK, run.count)
+            out[scale_key(key)][here] = each.narrow(0, run.saved - first * quant.QBLOCK, run.count)
     return out
 
 
