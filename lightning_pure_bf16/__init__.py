@@ -28,7 +28,7 @@ from lightning_pure_bf16.checkpoint import (
 from lightning_pure_bf16.data import resume_fabric_dataloader
 from lightning_pure_bf16.hf_models import from_pretrained
 from lightning_pure_bf16.integrations import host_watch
-from lightning_pure_bf16.optim import SGD, Adam, AdamW, Lion, PureBF16Optimizer
+from lightning_pure_bf16.optim import SGD, Adafactor, Adam, AdamW, Lion, Muon, PureBF16Optimizer
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.pretrained import PretrainedError, load_pretrained, save_pretrained
 
@@ -101,9 +101,11 @@ host_watch.install()
 
 __all__ = [
     "SGD",
+    "Adafactor",
     "Adam",
     "AdamW",
     "Lion",
+    "Muon",
     "PureBF16Optimizer",
     "CheckpointError",
     "DeepSpeedPureBF16FabricStrategy",

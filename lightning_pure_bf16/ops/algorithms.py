@@ -33,6 +33,7 @@ class Algorithm(IntEnum):
     ADAM = 0
     LION = 1
     SGD = 2
+    DIRECTION = 3  # the PyTorch path only: Adafactor's and Muon's write (see DirectionArgs)
 
 
 class KernelScalars(NamedTuple):
@@ -236,8 +237,54 @@ def sgd_torch(
     return g.mul_(s.neg_lr)
 
 
-Args = UpdateArgs | LionArgs | SGDArgs
-TORCH_STEPS = {Algorithm.ADAM: adam_torch, Algorithm.LION: lion_torch, Algorithm.SGD: sgd_torch}
+class DirectionScalars(NamedTuple):
+    neg_step_size: float
+    decay: float  # lr * weight_decay (decoupled)
+    grad_scale: float
+
+
+@dataclass(frozen=True)
+class DirectionArgs:
+    """Scalars of the write of an algorithm whose direction needs the whole matrix (Adafactor's factored
+    preconditioning, Muon's orthogonalization): the direction ``u`` is computed beforehand, in float32, and handed
+    as the gradient; the weight moves by ``-step_size * u - lr * weight_decay * p`` in one rounded write. No state per
+    element. The PyTorch path only (the direction is a float32 tensor the fused kernels do not take)."""
+
+    algorithm: ClassVar[Algorithm] = Algorithm.DIRECTION
+    step_size: float
+    decay: float
+    step: int
+    rounding: str
+    keys: tuple[int, int, int]
+    grad_scale: float = 1.0
+
+    @property
+    def variant(self) -> int:
+        """Whether the step decays the weight (1) or not (0)."""
+        return int(self.decay != 0.0)
+
+    @property
+    def scalars(self) -> DirectionScalars:
+        return DirectionScalars(-self.step_size, self.decay, self.grad_scale)
+
+
+def direction_torch(
+    p: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], s: DirectionScalars, variant: int
+) -> torch.Tensor:
+    """The write of a precomputed direction ``g`` (see :class:`DirectionArgs`)."""
+    delta = g.mul_(s.neg_step_size)
+    if variant:
+        delta.sub_(torch.mul(p, s.decay))
+    return delta
+
+
+Args = UpdateArgs | LionArgs | SGDArgs | DirectionArgs
+TORCH_STEPS = {
+    Algorithm.ADAM: adam_torch,
+    Algorithm.LION: lion_torch,
+    Algorithm.SGD: sgd_torch,
+    Algorithm.DIRECTION: direction_torch,
+}
 
 
 def hyper_scalars(args: Args) -> tuple[float, ...]:
@@ -250,6 +297,8 @@ def hyper_scalars(args: Args) -> tuple[float, ...]:
 __all__ = [
     "Algorithm",
     "Args",
+    "DirectionArgs",
+    "DirectionScalars",
     "HYPER_SCALARS",
     "KernelScalars",
     "LionArgs",
@@ -261,6 +310,7 @@ __all__ = [
     "TORCH_STEPS",
     "UpdateArgs",
     "adam_torch",
+    "direction_torch",
     "hyper_scalars",
     "lion_torch",
     "sgd_torch",

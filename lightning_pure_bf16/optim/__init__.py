@@ -6,18 +6,22 @@ state entries (the Kahan remainder, the block scales of an 8-bit state), and a h
 from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.rng import rank_seed
 from lightning_pure_bf16.ops.update_cpu import fused_cpu_available
+from lightning_pure_bf16.optim.adafactor import Adafactor
 from lightning_pure_bf16.optim.adamw import Adam, AdamW
 from lightning_pure_bf16.optim.base import PureBF16Optimizer, register_construction_hook
 from lightning_pure_bf16.optim.lion import Lion
+from lightning_pure_bf16.optim.muon import Muon
 from lightning_pure_bf16.optim.sgd import SGD
 from lightning_pure_bf16.optim.state_dicts import KAHAN_KEY, is_scale_key, scale_key
 
 __all__ = [
     "KAHAN_KEY",
     "SGD",
+    "Adafactor",
     "Adam",
     "AdamW",
     "Lion",
+    "Muon",
     "PureBF16Optimizer",
     "fused_cpu_available",
     "is_scale_key",

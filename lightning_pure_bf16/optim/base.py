@@ -17,10 +17,10 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pure_bf16.ops import quant
-from lightning_pure_bf16.ops.algorithms import ROUNDING_MODES, Args
+from lightning_pure_bf16.ops.algorithms import ROUNDING_MODES, Args, DirectionArgs
 from lightning_pure_bf16.ops.rng import Buffer, draw_seed, stream_key
 from lightning_pure_bf16.ops.update_cpu import fused_cpu_available
-from lightning_pure_bf16.ops.update_torch import DEFAULT_CHUNK
+from lightning_pure_bf16.ops.update_torch import DEFAULT_CHUNK, update_torch_
 from lightning_pure_bf16.optim import functional, sharded, state_dicts, storage
 from lightning_pure_bf16.optim.mmap_states import DEFAULT_STATE_CHUNK
 from lightning_pure_bf16.optim.options import (
@@ -29,6 +29,8 @@ from lightning_pure_bf16.optim.options import (
     check_power_of_two,
     check_torch_arguments,
 )
+from lightning_pure_bf16.optim.pieces import Pieces
+from lightning_pure_bf16.optim.pieces import of_tensor as pieces_of_tensor
 
 Rounding = Literal["stochastic", "kahan", "nearest"]
 Backend = Literal["auto", "triton", "cpu", "torch"]
@@ -116,6 +118,13 @@ class PureBF16Optimizer(Optimizer):
     # What an algorithm declares: the names of its per-element states, in slot order (slot 0 signed, slot 1
     # non-negative: their 8-bit codes differ), and how it reads a param group.
     state_names: tuple[str, ...] = ()
+    # Whether the update of an element needs the whole parameter (Adafactor's statistics, Muon's orthogonalization):
+    # such an algorithm steps whole tensors only (no slices for gradient release) and reads what a tensor holds of
+    # the parameters from set_pieces.
+    whole_parameter = False
+    # The per-tensor state keys of the torch.optim optimizer of the same algorithm, whose state dicts load
+    # (from_torch_state converts each tensor's state); empty: the same as state_names.
+    torch_state_names: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -170,6 +179,7 @@ class PureBF16Optimizer(Optimizer):
         self._next_stream = 0
         # The parameters this optimizer was given (ids): a float32 tensor stepped in their place is a wrapper's master.
         self._given_params: set[int] = set()
+        self._pieces: dict[int, Pieces] = {}
         super().__init__(params, defaults)
         for hook in list(_construction_hooks.values()):
             hook(self)
@@ -221,6 +231,38 @@ class PureBF16Optimizer(Optimizer):
         # torch checks the rest (sets, non-tensors, names on some parameters only, a parameter in two groups).
         super().add_param_group(param_group)
         self._given_params.update(id(p) for p in self.param_groups[-1]["params"])
+
+    def set_pieces(self, p: torch.Tensor, pieces: Pieces, group: dict[str, Any] | None = None) -> None:
+        """Say what the tensor ``p`` holds of the model's parameters (a ZeRO-3 flat partition holds a run of each
+        parameter of its sub-group; :mod:`~lightning_pure_bf16.optim.pieces`; ``group``: its param group, when it is not
+        in one now), before its state exists. Only the
+        algorithms whose update needs whole parameters (:attr:`whole_parameter`) read it; a plain tensor or DTensor
+        describes itself.
+
+        Raises:
+            ValueError: the pieces do not fit in ``p``, or the algorithm cannot step one of them.
+        """
+        end = max((q.offset + q.span for q in pieces.pieces), default=0)
+        if end > sharded.local(p).numel() or any(
+            q.numel > q.span or q.start + q.numel > q.total for q in pieces.pieces
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.set_pieces: pieces ending at element {end} do not fit in a tensor of"
+                f" {sharded.local(p).numel()} elements, or a piece is longer than its parameter."
+            )
+        group = group if group is not None else self._group_of(p)
+        if group is not None:
+            self.check_pieces(type(self).__name__, group, pieces)
+        self._pieces[id(p)] = pieces
+
+    def pieces_of(self, p: torch.Tensor) -> Pieces:
+        """What ``p`` holds of the model's parameters: as :meth:`set_pieces` said, else all of itself."""
+        found = self._pieces.get(id(p))
+        return found if found is not None else pieces_of_tensor(p)
+
+    def check_pieces(self, who: str, group: dict[str, Any], pieces: Pieces) -> None:
+        """Raise ``ValueError`` if a parameter of ``group`` described by ``pieces`` cannot be stepped (Muon: a
+        parameter that is not a matrix); by default every piece can."""
 
     @property
     def state_dir(self) -> str | None:
@@ -333,6 +375,9 @@ class PureBF16Optimizer(Optimizer):
             for p, group in params
         ]
         self._refuse_float32_masters(plan)
+        if self.whole_parameter:
+            for p, group, _ in plan:
+                self.check_pieces(name, group, self.pieces_of(p))
         if self.check_nonfinite and nonfinite is not None:
             flag = nonfinite()
             if self.nonfinite_reduce is not None:
@@ -349,9 +394,54 @@ class PureBF16Optimizer(Optimizer):
             state = self.state[p]
             state["step"] += 1
             shard, grad = sharded.local_pair(name, p)
-            if shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
+            if self.whole_parameter:  # every rank takes part in the collectives, an empty shard included
+                self.update_whole(p, group, grad, backend, step=int(state["step"].item()))
+            elif shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
                 self._write(p, group, grad, 0, backend, step=int(state["step"].item()))
         return True
+
+    def update_whole(
+        self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, backend: str, *, step: int
+    ) -> None:
+        """One step of a tensor whose update needs whole parameters (:attr:`whole_parameter`): ``grad`` is the
+        gradient of ``p``'s local elements, :meth:`pieces_of` says which parameters they belong to. Writes through
+        :meth:`write_direction` or :meth:`_write`."""
+        raise NotImplementedError
+
+    def write_direction(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        direction: torch.Tensor,
+        start: int,
+        *,
+        step: int,
+        step_size: float,
+        decay: float,
+    ) -> None:
+        """Move elements ``[start, start + direction.numel())`` of ``p``'s local tensor by ``-step_size * direction
+        - decay * p``, one rounded write with the noise and Kahan remainder the elementwise algorithms use
+        (``ops.algorithms.DirectionArgs``): the write of the whole-parameter algorithms, on the PyTorch path."""
+        state = self.state[p]
+        seed, offset = self._noise(p)
+        args = DirectionArgs(
+            step_size=step_size,
+            decay=decay,
+            step=step,
+            rounding=group["rounding"],
+            keys=tuple(stream_key(seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
+        )
+        end = start + direction.numel()
+        kahan = group["rounding"] == "kahan" and p.dtype == torch.bfloat16
+        update_torch_(
+            sharded.local(p).view(-1)[start:end],
+            direction,
+            [],
+            sharded.local(state[state_dicts.KAHAN_KEY]).view(-1)[start:end] if kahan else None,
+            args,
+            chunk_size=self.chunk_size,
+            index_offset=offset + start,
+        )
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any] | None:
         """The group holding ``p``, from an index rebuilt when the groups change (one lookup per hook call, not a scan
@@ -473,6 +563,11 @@ class PureBF16Optimizer(Optimizer):
         """
         name = type(self).__name__
         sharded.refuse_dtensor(f"{name}.update_slice", p, "slices of ZeRO-3 partitions only; use `step`")
+        if self.whole_parameter:
+            raise ValueError(
+                f"{name}.update_slice: {name}'s update needs each parameter's whole gradient (its statistics or its"
+                " orthogonalization), so it cannot update slices as gradients arrive. Turn gradient release off."
+            )
         state = self.state.get(p, {})
         if "step" not in state:
             raise RuntimeError(f"{name}.update_slice: the tensor has no state yet; call `init_states` first.")
@@ -565,6 +660,7 @@ class PureBF16Optimizer(Optimizer):
         state = {"skipped_parameter_updates": 0, "_storage": storage.InMemory(), **state}
         super().__setstate__(state)
         self._given_params = {id(p) for group in self.param_groups for p in group["params"]}  # the copy's own
+        self._pieces = {}  # a ZeRO-3 partition's description belongs to the engine that set it
         self.nonfinite_reduce = None
         self.grad_scale, self.grads_finite = 1.0, False  # a caller's word on one step, not the optimizer's state
         self._storage.adopt_copy(self)

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 # ops.quant.QBLOCK elements, under the state's name plus this suffix). Every tensor but "step" is a buffer
 # state_storage places.
 KAHAN_KEY = "kahan_comp"
+# Float32 statistics an algorithm keeps beside its per-element states (Adafactor's rows and columns): a dict of
+# tensors under this key, not per element, not placed by state_storage, loaded as saved (never cast to the
+# parameter's dtype).
+STATISTICS_KEY = "statistics"
 _SCALE_SUFFIX = "_scale"
 EXTRA_KEY = "pure_bf16"
 
@@ -177,6 +181,7 @@ def load_state_dict(optimizer: PureBF16Optimizer, state_dict: dict[str, Any]) ->
         if extra is None:
             sd = _from_torch_state_dict(optimizer, sd)
         loaded["extra"] = extra
+        loaded["statistics"] = _take_statistics(sd)
         loaded["dtypes"] = _check_saved_formats(optimizer, sd)
         loaded["buffers"] = optimizer._storage.take_saved(optimizer, sd)
         return sd
@@ -196,6 +201,12 @@ def load_state_dict(optimizer: PureBF16Optimizer, state_dict: dict[str, Any]) ->
                     state["stream"] = optimizer._next_stream
                     optimizer._next_stream += 1
         _restore_formats(optimizer, loaded["dtypes"])
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for index, statistics in loaded["statistics"].items():
+            device = sharded.local(params[index]).device
+            optimizer.state[params[index]][STATISTICS_KEY] = {
+                k: v.to(device, torch.float32, copy=True) for k, v in statistics.items()
+            }
         optimizer._storage.put_saved(optimizer, loaded["buffers"])
 
     pre = optimizer.register_load_state_dict_pre_hook(unpack)
@@ -205,6 +216,22 @@ def load_state_dict(optimizer: PureBF16Optimizer, state_dict: dict[str, Any]) ->
     finally:
         pre.remove()
         post.remove()
+
+
+def _take_statistics(sd: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+    """The float32 statistics of every saved tensor's state, taken out of ``sd`` (torch's loader would cast them to
+    the parameter's dtype), by the tensor's position among the optimizer's parameters."""
+    saved_ids = [i for g in sd.get("param_groups", []) for i in g["params"]]
+    position = {index: n for n, index in enumerate(saved_ids)}
+    out = {}
+    states = dict(sd.get("state", {}))
+    for index, st in states.items():
+        if isinstance(st, dict) and STATISTICS_KEY in st:
+            st = dict(st)
+            out[position[index]] = st.pop(STATISTICS_KEY)
+            states[index] = st
+    sd["state"] = states
+    return out
 
 
 def _from_torch_state_dict(optimizer: PureBF16Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
@@ -218,13 +245,14 @@ def _from_torch_state_dict(optimizer: PureBF16Optimizer, sd: dict[str, Any]) -> 
     if not isinstance(saved_groups, list) or not isinstance(states, dict):
         raise KeyError(f"{name}.load_state_dict: this is not an optimizer state dict (no 'state' and 'param_groups').")
     keys = {k for st in states.values() for k in st}
-    if not keys <= {"step", *optimizer.state_names} or any(
+    torch_names = optimizer.torch_state_names or optimizer.state_names
+    if not keys <= {"step", *torch_names} or any(
         g.get(option, off) != off for g in saved_groups for option, off in UNSUPPORTED_TORCH_OPTIONS.items()
     ):
         raise KeyError(
             f"{name}.load_state_dict: this state dict has no {EXTRA_KEY!r} entry and is not a plain torch.optim one"
             f" of the same algorithm (state keys {sorted(keys)}, expected among"
-            f" {sorted({'step', *optimizer.state_names})}; amsgrad, maximize, capturable and differentiable must be"
+            f" {sorted({'step', *torch_names})}; amsgrad, maximize, capturable and differentiable must be"
             " off), so it cannot be converted."
         )
     if len(saved_groups) != len(optimizer.param_groups):
@@ -423,6 +451,7 @@ def _per_element_scales(p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any
 __all__ = [
     "EXTRA_KEY",
     "KAHAN_KEY",
+    "STATISTICS_KEY",
     "check_saved_buffers",
     "dequantized",
     "encode_float_buffers",
