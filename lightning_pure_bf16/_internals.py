@@ -356,6 +356,17 @@ def zero3_layout(zero_optimizer: Any) -> list[Zero3SubGroup]:
     ]
 
 
+def zero3_param_shapes(zero_optimizer: Any) -> list[list[tuple[int, ...]]]:
+    """The whole shape of every parameter of every sub-group, in the order of :func:`zero3_layout`."""
+    groups = _read(zero_optimizer, "fp16_groups", "the parameters of each sub-group")
+    return [[tuple(p.ds_shape) for p in params] for params in groups]
+
+
+def zero3_data_parallel_group(zero_optimizer: Any) -> Any:
+    """The process group ZeRO-3 partitions over (rank ``r`` of it holds run ``r`` of every parameter)."""
+    return _read(zero_optimizer, "dp_process_group", "the process group the partitions are spread over")
+
+
 @contextmanager
 def zero3_partitioned_for_load(zero_optimizer: Any) -> Iterator[None]:
     """Every parameter partitioned while its partition is written; persistent parameters re-gathered after."""

@@ -1,5 +1,5 @@
-"""Optimizer adoption: the user's ``torch.optim.AdamW``/``Adam``/``SGD`` becomes the pure-bf16 optimizer of the same
-algorithm, same hyperparameters.
+"""Optimizer adoption: the user's ``torch.optim.AdamW``/``Adam``/``SGD``/``Adafactor``/``Muon`` becomes the pure-bf16
+optimizer of the same algorithm, same hyperparameters.
 
 Front ends (the Trainer strategy, Fabric) call :func:`adopt_optimizer` on what the user built, rebind the user's LR
 schedulers with :func:`rebind_scheduler`, and hand the result to ZeRO-3 after :func:`prepare_for_zero3`. Nothing
@@ -15,11 +15,18 @@ from torch.optim import Optimizer
 
 from lightning_pure_bf16._internals import mark_step_for_lr_scheduler
 from lightning_pure_bf16._log import rank_zero_info
-from lightning_pure_bf16.optim import SGD, Adam, AdamW, PureBF16Optimizer, rank_seed
+from lightning_pure_bf16.optim import SGD, Adafactor, Adam, AdamW, Muon, PureBF16Optimizer, rank_seed
 from lightning_pure_bf16.optim.options import TORCH_ONLY_GROUP_KEYS, OptimizerOptions, unsupported_torch_options
 
-# The torch.optim optimizers converted, and what each becomes.
-ADOPTABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+# The torch.optim optimizers converted, and what each becomes (Adam: see adopt_optimizer).
+CONVERSIONS: dict[type, type[PureBF16Optimizer]] = {
+    torch.optim.AdamW: AdamW,
+    torch.optim.Adam: Adam,
+    torch.optim.SGD: SGD,
+    torch.optim.Adafactor: Adafactor,
+    torch.optim.Muon: Muon,
+}
+ADOPTABLE = tuple(CONVERSIONS)
 
 
 def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str, source: str) -> PureBF16Optimizer:
@@ -34,7 +41,7 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
         source: where the optimizer came from, for messages (``"configure_optimizers"``).
 
     Raises:
-        TypeError: not a torch AdamW/Adam/SGD nor a pure-bf16 optimizer.
+        TypeError: not a torch AdamW/Adam/SGD/Adafactor/Muon nor a pure-bf16 optimizer.
         ValueError: an option pure bf16 cannot honour (amsgrad, maximize, ...), a torch optimizer that already holds
             state, or a pure-bf16 optimizer with another state storage than ``options``.
     """
@@ -59,9 +66,9 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
     kind = type(optimizer)
     if kind not in ADOPTABLE:
         raise TypeError(
-            f"`{who}` can convert `torch.optim.AdamW`, `torch.optim.Adam` and `torch.optim.SGD`, but got"
+            f"`{who}` can convert `torch.optim.AdamW`, `Adam`, `SGD`, `Adafactor` and `Muon`, but got"
             f" `{kind.__module__}.{kind.__qualname__}` from `{source}`. Use one of those, or this package's"
-            " `AdamW`, `Adam`, `Lion` or `SGD` directly."
+            " `AdamW`, `Adam`, `Lion`, `SGD`, `Adafactor` or `Muon` directly."
         )
     for group in optimizer.param_groups:
         for option, value in unsupported_torch_options(group).items():
@@ -77,13 +84,11 @@ def adopt_optimizer(optimizer: Optimizer, options: OptimizerOptions, *, who: str
     groups = [{k: v for k, v in g.items() if k not in TORCH_ONLY_GROUP_KEYS} for g in optimizer.param_groups]
     kwargs = options.optimizer_kwargs()
     new: PureBF16Optimizer
-    if kind is torch.optim.AdamW:
-        new = AdamW(groups, **kwargs)
-    elif kind is torch.optim.SGD:
-        new = SGD(groups, **kwargs)
-    else:
+    if kind is torch.optim.Adam:
         decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
         new = Adam(groups, decoupled_weight_decay=decoupled, **kwargs)
+    else:
+        new = CONVERSIONS[kind](groups, **kwargs)
     n_params = sum(len(g["params"]) for g in groups)
     rank_zero_info(
         f"{who}: replaced torch.optim.{kind.__name__} with lightning_pure_bf16.{type(new).__name__}"
@@ -125,4 +130,4 @@ def adopt_for_zero3(
     return adopted
 
 
-__all__ = ["ADOPTABLE", "adopt_for_zero3", "adopt_optimizer", "prepare_for_zero3", "rebind_scheduler"]
+__all__ = ["ADOPTABLE", "CONVERSIONS", "adopt_for_zero3", "adopt_optimizer", "prepare_for_zero3", "rebind_scheduler"]

@@ -42,7 +42,7 @@ from lightning_pure_bf16.config import (
     split_config_section,
 )
 from lightning_pure_bf16.memory import PeakMeter, format_peak, format_report, peak_report, zero3_model_state_report
-from lightning_pure_bf16.optim import PureBF16Optimizer, fused_cpu_available
+from lightning_pure_bf16.optim import PureBF16Optimizer, fused_cpu_available, pieces
 from lightning_pure_bf16.optim.options import (
     STATE_DIR_ENV,
     STATE_STORAGES,
@@ -468,9 +468,25 @@ def init_zero3_optimizer_state(zero_optimizer: Any) -> None:
     is the steady state, and a shortage of memory shows at setup instead of at the first step.
     """
     optimizer = _internals.zero3_inner_optimizer(zero_optimizer)
+    if optimizer.whole_parameter:
+        describe_zero3_partitions(zero_optimizer, optimizer)
     optimizer.init_states(
         (flat, optimizer.param_groups[group]) for flat, group in _internals.zero3_sub_groups(zero_optimizer)
     )
+
+
+def describe_zero3_partitions(zero_optimizer: Any, optimizer: PureBF16Optimizer) -> None:
+    """Tell an optimizer whose update needs whole parameters (Adafactor, Muon) which run of which parameter each
+    flat partition of this rank holds, and over which process group the other runs are.
+
+    Raises:
+        ValueError: a parameter its group's algorithm cannot step (Muon: not a matrix), naming it.
+    """
+    group = _internals.zero3_data_parallel_group(zero_optimizer)
+    rank = torch.distributed.get_rank(group)
+    for sub, shapes in zip(_internals.zero3_layout(zero_optimizer), _internals.zero3_param_shapes(zero_optimizer)):
+        described = [(name, shape, numel, span) for (name, numel, span), shape in zip(sub.params, shapes)]
+        optimizer.set_pieces(sub.flat, pieces.zero3(described, rank, group), optimizer.param_groups[sub.group])
 
 
 def after_engine_setup(
@@ -487,6 +503,13 @@ def after_engine_setup(
     its own) and a gradient norm read in one pass, gradient release if asked (which frees the gradient partition),
     the next layer gathered ahead with ``gather_cache="next"`` (and, with ``"auto"``, where the first step leaves
     room for it), and the memory per parameter logged."""
+    optimizer = inner_optimizer(engine)
+    if gradient_release and optimizer.whole_parameter:
+        raise ValueError(
+            f"`{strategy_name}(gradient_release=True)` updates each parameter's partition as its gradient arrives,"
+            f" but {type(optimizer).__name__}'s update needs every rank's part of a parameter first (its statistics"
+            " or its orthogonalization). Turn gradient release off for this optimizer."
+        )
     init_zero3_optimizer_state(engine.optimizer)
     _internals.reduce_full_buckets_at_once(engine.optimizer)
     if gather_cache == "next":
@@ -502,7 +525,6 @@ def after_engine_setup(
             engine.optimizer, lambda factor: setattr(inner_optimizer(engine), "grad_scale", factor)
         )
         collectives.gradient_norm_in_one_pass(engine.optimizer)
-    optimizer = inner_optimizer(engine)
     report = memory_report(engine)
     rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))
     if optimizer.state_storage == "mmap":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,7 +17,17 @@ from lightning_pure_bf16._internals import (
 from lightning_pure_bf16.optim import is_scale_key, scale_key
 from lightning_pure_bf16.optim.sharded import local
 
-CATEGORIES = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "momentum_buffer", "kahan_comp", "other_state")
+CATEGORIES = (
+    "param",
+    "grad",
+    "master",
+    "exp_avg",
+    "exp_avg_sq",
+    "momentum_buffer",
+    "kahan_comp",
+    "statistics",
+    "other_state",
+)
 
 # Model-state bytes per trainable parameter under ZeRO-3, by category, for the configurations the project compares.
 # benchmarks/memory.py measures every one of them from live buffers; tests/test_plan.py checks the two agree.
@@ -80,6 +91,16 @@ def state_category(key: str) -> str:
     return key.removesuffix(scale_key("")) if is_scale_key(key) else key
 
 
+def _state_tensors(state: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(category, tensor)`` for every tensor of one parameter's optimizer state but its counters: the per-element
+    states, their block scales, and an algorithm's statistics (Adafactor's rows and columns, ``statistics``)."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from ((key, t) for t in value.values() if isinstance(t, torch.Tensor))
+        elif isinstance(value, torch.Tensor) and value.ndim > 0:
+            yield state_category(key), value
+
+
 def bytes_per_param(config: str) -> float:
     """Model-state bytes per trainable parameter held in memory by one of :data:`MODEL_STATE_BYTES`' configurations
     (state files excluded)."""
@@ -127,13 +148,11 @@ def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None
     )
     in_files = 0
     for state in zero3_inner_optimizer(zero_optimizer).state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0:
-                if is_file_backed(value):
-                    in_files += _nbytes(value)
-                else:
-                    category = state_category(key)
-                    nbytes[category if category in nbytes else "other_state"] += _nbytes(value)
+        for category, value in _state_tensors(state):
+            if is_file_backed(value):
+                in_files += _nbytes(value)
+            else:
+                nbytes[category if category in nbytes else "other_state"] += _nbytes(value)
     frozen = [p.ds_tensor for p in (module.parameters() if module is not None else ()) if not p.requires_grad]
     return _per_parameter(nbytes, n, in_files, frozen)
 
@@ -180,10 +199,8 @@ def sharded_model_state_report(
                 nbytes["grad"] += _nbytes(grad)
             elif not gradients_released:
                 nbytes["grad"] += shard.numel() * shard.element_size()
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    category = state_category(key)
-                    nbytes[category if category in nbytes else "other_state"] += _nbytes(local(value))
+            for category, value in _state_tensors(optimizer.state.get(p, {})):
+                nbytes[category if category in nbytes else "other_state"] += _nbytes(local(value))
     frozen = [local(p) for p in (module.parameters() if module is not None else ()) if id(p) not in trainable]
     return _per_parameter(nbytes, n, 0, frozen)
 

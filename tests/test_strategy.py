@@ -85,8 +85,12 @@ def two_ranks(tmp_path_factory):
         {"name": "sub_groups", "steps": 3, "strategy": {**EXACT, "sub_group_size": 1500}, "count_updates": True},
         {"name": "no_alias_fix", "steps": 1, "strategy": EXACT, "no_alias_fix": True},
     ]
-    # The other algorithms: torch.optim.SGD (momentum, Nesterov) converted, this package's Lion with 8-bit momentum.
-    runs[-2:-2] = [{"name": name, "steps": 6, "optimizer": name, "strategy": EXACT} for name in ("torch_sgd", "lion")]
+    # The other algorithms: torch.optim.SGD (momentum, Nesterov) and Adafactor converted, this package's Lion with
+    # 8-bit momentum and Muon (AdamW for the biases).
+    runs[-2:-2] = [
+        {"name": name, "steps": 6, "optimizer": name, "strategy": EXACT}
+        for name in ("torch_sgd", "lion", "torch_adafactor", "muon")
+    ]
     return fit_runs(out, runs, env={"PYTHONWARNINGS": "default"}, devices=2)
 
 
@@ -250,6 +254,43 @@ def test_sgd_and_lion_train_with_one_state_per_parameter(two_ranks, name, optimi
         assert sum(losses[-2:]) < sum(losses[:2]), losses
 
 
+@pytest.mark.parametrize(("name", "optimizer"), [("torch_adafactor", "Adafactor"), ("muon", "Muon")])
+def test_adafactor_and_muon_see_each_parameter_where_zero3_put_it(two_ranks, name, optimizer):
+    """torch.optim.Adafactor converted, and Muon, train under ZeRO-3 on 2 ranks: each flat partition's pieces (what
+    the strategy told the optimizer) hold exactly the elements of the whole parameter that ZeRO-3 placed there (the
+    gathered parameter's run, on every rank), Adafactor's row and column statistics are the same on both ranks (summed
+    over them), model state is 4 bytes/param (Adafactor) or 6 on the matrices and 8 on the biases (Muon), and the loss
+    falls."""
+    runs = load_ranks(two_ranks / name)
+    for r in runs:
+        assert r["optimizer_class"] == optimizer
+        full = r["full_state"]
+        for flat, pieces in zip(r["flat_params"], r["pieces"]):
+            for param_name, shape, start, offset, numel in pieces:
+                whole = full[param_name.removeprefix("_forward_module.")]
+                assert tuple(whole.shape) == tuple(shape)
+                assert torch.equal(flat[offset : offset + numel], whole.reshape(-1)[start : start + numel])
+            assert sum(numel for *_, numel in pieces) <= flat.numel()
+        report = r["memory_report"]
+        if name == "torch_adafactor":
+            # The float32 statistics: every weight's rows and columns (64 + 64 + 1 rows, 16 + 64 + 64 columns) on
+            # each rank, and the rank's run of the biases' (129 elements) second moment; large beside this model's
+            # 2,657 parameters per rank, negligible beside a real one's.
+            stats_bytes = report["statistics"] * report["params_on_rank"]
+            assert 273 * 4 < stats_bytes < (273 + 129) * 4
+            assert report["total"] == pytest.approx(4.0 + report["statistics"], rel=1e-3)
+        else:
+            assert 6.0 < report["total"] < 6.1  # 64*64 + 64 + 1 matrix elements at 6, 64 + 1 bias elements at 8
+        assert sum(r["losses"][-2:]) < sum(r["losses"][:2]), r["losses"]
+    if name == "torch_adafactor":
+        first, second = (r["statistics"] for r in runs)
+        assert first[0]["row_var"].numel() == 64 + 64 + 1  # the weights' rows; the biases' group has none
+        for a, b in zip(first, second):
+            assert all(torch.equal(a[key], b[key]) for key in ("row_var", "col_var"))
+    starts = {p[2] for r in runs for pieces in r["pieces"] for p in pieces}
+    assert starts != {0}  # rank 1's runs start inside the parameters
+
+
 def test_same_seed_same_weights(exact_runs):
     first, second = exact_runs
     for a, b in zip(first, second):
@@ -280,7 +321,7 @@ def test_without_the_aliasing_fix_deepspeed_keeps_a_second_bf16_copy(two_ranks):
 @pytest.mark.parametrize(
     ("optimizer", "match"),
     [
-        ("torch_rmsprop", "can convert `torch.optim.AdamW`, `torch.optim.Adam` and `torch.optim.SGD`, but got"),
+        ("torch_rmsprop", "can convert `torch.optim.AdamW`, `Adam`, `SGD`, `Adafactor` and `Muon`, but got"),
         ("torch_amsgrad", "amsgrad=True"),
     ],
 )

@@ -206,6 +206,10 @@ class MLP(LightningModule):
             opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True)
         elif kind == "lion":
             opt = lightning_pure_bf16.Lion(groups, lr=1e-3, moments="int8")
+        elif kind == "torch_adafactor":
+            opt = torch.optim.Adafactor(groups, lr=1e-2)
+        elif kind == "muon":  # the matrices by Muon, the biases by AdamW
+            opt = lightning_pure_bf16.Muon([groups[0], {**groups[1], "use_muon": False, "lr": 1e-3}], lr=2e-2)
         elif kind == "pure":
             opt = lightning_pure_bf16.AdamW(groups, lr=1e-2, rounding="kahan")
         else:
@@ -356,7 +360,13 @@ def main(out: Path, opts: dict) -> None:
         result["most_gathered_per_step"] = counter.counts
         result["most_unreduced_grads_per_step"] = counter.grad_counts
         result["largest_partitioned_numel"] = max(p.ds_numel for p in model.parameters() if not p.ds_persist)
-    if opts.get("gather_full"):
+    if opt.whole_parameter:  # what the optimizer was told each flat partition holds
+        result["pieces"] = [
+            [(q.name, q.shape, q.start, q.offset, q.numel) for q in opt.pieces_of(f).pieces]
+            for f in zero.fp32_partitioned_groups_flat
+        ]
+        result["statistics"] = [opt.state[f].get("statistics") for f in zero.fp32_partitioned_groups_flat]
+    if opts.get("gather_full") or opt.whole_parameter:
         import deepspeed
 
         params = dict(model.named_parameters())
