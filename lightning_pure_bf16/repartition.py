@@ -34,7 +34,7 @@ import torch
 
 from lightning_pure_bf16 import _internals
 from lightning_pure_bf16.durable import fsync_tree, replaced_atomically
-from lightning_pure_bf16.optim import KAHAN_KEY, is_scale_key, quant, scale_key
+from lightning_pure_bf16.optim import KAHAN_KEY, STATISTICS_KEY, is_scale_key, quant, scale_key
 from lightning_pure_bf16.safe_load import CheckpointError, UntrustedCheckpointError, load_state_file
 from lightning_pure_bf16.shards import TensorSource
 
@@ -141,15 +141,24 @@ class ZeroCheckpoint:
     def _inner_state(self, rank: int, sub_group: int) -> dict[str, Any]:
         return self._zero_state(rank)["optimizer_state_dict"]["state"].get(sub_group, {})
 
-    def stored_keys(self) -> tuple[str, ...]:
+    def stored_keys(self, name: str | None = None) -> tuple[str, ...]:
         """The per-element optimizer state the checkpoint holds (``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ...: every
-        state tensor but the step count and the 8-bit block scales)."""
-        state = self._inner_state(0, 0)
-        return tuple(
-            k
-            for k, v in state.items()
-            if isinstance(v, torch.Tensor) and v.ndim and k != "step" and not is_scale_key(k)
-        )
+        state tensor but the step count and the 8-bit block scales): of parameter ``name``, or of any (the param
+        groups of one optimizer may keep different states: Muon's matrices a momentum, its AdamW groups two)."""
+        sub_groups = [self.places[name].sub_group] if name is not None else range(len(self.sub_groups))
+        keys: dict[str, None] = {}
+        for sub_group in sub_groups:
+            state = self._inner_state(0, sub_group)
+            keys.update(
+                (k, None)
+                for k, v in state.items()
+                if isinstance(v, torch.Tensor) and v.ndim and k != "step" and not is_scale_key(k)
+            )
+        return tuple(keys)
+
+    def holds_statistics(self) -> bool:
+        """Whether the optimizer kept statistics that are not per element (Adafactor's rows and columns)."""
+        return any(STATISTICS_KEY in self._inner_state(0, sub) for sub in range(len(self.sub_groups)))
 
     def step(self) -> int | None:
         """The optimizer step count (the same in every sub-group; checked in the rank files read so far, rank 0's
@@ -260,11 +269,10 @@ class ZeroCheckpoint:
         """Per trained parameter ``NAME``: ``NAME.exp_avg``, ``NAME.exp_avg_sq``, ``NAME.kahan_comp`` where kept
         (bf16 as stored; 8-bit codes decoded to float32) and ``NAME.step`` (int64), to be read piece by piece."""
         step = self.step()
-        keys = self.stored_keys()
         sources = []
         for name in self.iter_params():
             place = self.places[name]
-            for key in keys:
+            for key in self.stored_keys(name):
                 stored = self._inner_state(0, place.sub_group)[key]
                 dtype = stored.dtype if stored.is_floating_point() else torch.float32
                 sources.append(
@@ -382,7 +390,7 @@ def _gathered(
 ) -> dict[str, torch.Tensor]:
     """A piece of ``key`` as stored (floats, or 8-bit codes with ``KEY_scale`` the scale of each element, NaN in the
     padding), from the saved ranks' files."""
-    stored = checkpoint._inner_state(0, 0)[key]
+    stored = checkpoint._inner_state(0, runs[0].sub_group if runs else 0)[key]  # the format this group kept
     out = {key: torch.zeros(count, dtype=stored.dtype)}
     coded = key != KAHAN_KEY and not stored.is_floating_point()
     if coded:
@@ -436,6 +444,12 @@ def load_repartitioned(
         raise _internals.UpstreamChanged(
             f"ZeRO-3 wraps a {type(optimizer).__name__}, not an optimizer of this package."
         )
+    if load_optimizer_states and checkpoint.holds_statistics():
+        raise RepartitionError(
+            f"The checkpoint '{checkpoint.dir}' was saved by {checkpoint.world_size} rank(s) with an optimizer that"
+            " keeps row and column statistics (Adafactor), which cannot be re-partitioned to another world size"
+            " yet. Resume on the saved number of ranks, or load the weights only."
+        )
     masters = _internals.zero3_master_partitions(zero_optimizer)
     if [m.data_ptr() for m in masters] != [sub.flat.data_ptr() for sub in layout]:
         raise _internals.UpstreamChanged("ZeRO-3's master partitions are not its bf16 parameter partitions.")
@@ -448,6 +462,7 @@ def load_repartitioned(
         for sub, master in zip(layout, masters):
             runs = _saved_spans(checkpoint, sub.params, rank)
             kahan = optimizer.param_groups[sub.group]["rounding"] == "kahan"
+            live_keys = optimizer.state_keys(optimizer.param_groups[sub.group])
             for start, count, piece in _pieces(runs, sub.flat.numel()):
                 weights = sub.flat.narrow(0, start, count)
                 weights.zero_()  # the padding
@@ -457,7 +472,7 @@ def load_repartitioned(
                 if not with_states:
                     continue
                 values: dict[str, torch.Tensor] = {}
-                for key in (k for k in saved_keys if k != KAHAN_KEY):
+                for key in (k for k in saved_keys if k != KAHAN_KEY and k in live_keys):
                     values.update(_gathered(checkpoint, key, start, count, piece))
                 if kahan and KAHAN_KEY in saved_keys:
                     values.update(_gathered(checkpoint, KAHAN_KEY, start, count, piece))
@@ -502,7 +517,7 @@ def consolidate_optimizer_state(
     step = ckpt.step()
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name in ckpt.iter_params():
-        entry = {key: ckpt.full(name, key).clone() for key in ckpt.stored_keys()}
+        entry = {key: ckpt.full(name, key).clone() for key in ckpt.stored_keys(name)}
         if step is not None:
             entry["step"] = torch.tensor(step, dtype=torch.int64)
         out[name] = entry
@@ -532,12 +547,11 @@ def export_universal(
     if staged.exists():
         shutil.rmtree(staged)
     (staged / "zero").mkdir(parents=True)
-    keys = ckpt.stored_keys()
     for name in ckpt.iter_params():
         folder = staged / "zero" / name
         folder.mkdir()
         torch.save({PARAM: ckpt.full(name).float().clone()}, folder / "fp32.pt")
-        for key in keys:
+        for key in ckpt.stored_keys(name):
             torch.save({PARAM: ckpt.full(name, key).float().clone()}, folder / f"{key}.pt")
     zero0 = dict(ckpt._zero_state(0))
     inner = dict(zero0[OPTIMIZER_STATE_DICT])

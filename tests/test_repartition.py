@@ -30,7 +30,7 @@ RUN = {"strategy": {"rounding": "kahan"}, "scheduler": True, "nan_rank": 0, "nan
 
 INT8 = {"rounding": "kahan", "moments": "int8", "compensation": "int8"}
 # The other algorithms of the family as tests/scripts/fit_mlp.py builds them, and the state each keeps.
-FAMILY = {"torch_sgd": "momentum_buffer", "lion": "exp_avg"}
+FAMILY = {"torch_sgd": "momentum_buffer", "lion": "exp_avg", "muon": "exp_avg"}
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,11 @@ def launches(tmp_path_factory):
             "scheduler": False,
             "nan_rank": None,
         },
-        # The other algorithms: torch.optim.SGD (bf16 momentum) and Lion (8-bit momentum), Kahan.
+        # The other algorithms: torch.optim.SGD (bf16 momentum, Kahan), Lion (8-bit momentum), Muon (bf16 momentum
+        # on the matrices, AdamW's moments on the biases) and torch.optim.Adafactor (row and column statistics).
         *(
             {"name": f"{kind}_source", "steps": 4, "optimizer": kind, "save_at_end": str(out / "two" / kind / "final")}
-            for kind in ("torch_sgd", "lion")
+            for kind in (*FAMILY, "torch_adafactor")
         ),
     ]
     fit_runs(out / "two", runs, devices=2, **RUN)
@@ -83,6 +84,11 @@ def launches(tmp_path_factory):
         _resave(out / "one", "nodes_to1", out / "nodes" / "final", steps=4),
         {"name": "from_mixed_more", "steps": 3, "ckpt_path": str(mixed), "nan_rank": None},
         *(_resave(out / "one", f"{kind}_to1", out / "two" / kind / "final", 4, optimizer=kind) for kind in FAMILY),
+        {
+            **_resave(out / "one", "adafactor_to1", out / "two" / "torch_adafactor" / "final", 4),
+            "optimizer": "torch_adafactor",
+            "expect_error": True,
+        },
     ]
     fit_runs(out / "one", runs, devices=1, **RUN)
     to3 = {
@@ -154,12 +160,12 @@ def test_repartitioned_checkpoint_saved_again_holds_every_value_bit_for_bit(sour
 
 
 @pytest.mark.parametrize("kind", FAMILY)
-def test_sgd_and_lion_checkpoints_resume_at_another_world_size(launches, kind):
+def test_sgd_lion_and_muon_checkpoints_resume_at_another_world_size(launches, kind):
     """2 ranks -> 1 -> 2: the weights, the step and (SGD, converted by the Kahan strategy) the Kahan remainder exactly;
-    SGD's bf16 momentum exactly, Lion's 8-bit momentum (Lion given as is: stochastic rounding) re-encoded in the new
-    blocks within a level of each hop's block (a block of a flat partition may hold several parameters: its scale is
-    at most the largest magnitude of the whole model's momentum)."""
-    kept = {FAMILY[kind], "step"} | ({"kahan_comp"} if kind == "torch_sgd" else set())
+    SGD's and Muon's bf16 states exactly (Muon's matrices keep a momentum, its AdamW biases two moments), Lion's 8-bit
+    momentum (Lion given as is: stochastic rounding) re-encoded in the new blocks within a level of each hop's block
+    (a block of a flat partition may hold several parameters: its scale is at most the largest magnitude of the whole
+    model's momentum)."""
     src = launches / "two" / kind / "final"
     for hop in (launches / "one" / f"{kind}_to1" / "resaved", launches / "two" / f"{kind}_to2" / "resaved"):
         wa, wb = consolidate_checkpoint(src), consolidate_checkpoint(hop)
@@ -167,15 +173,25 @@ def test_sgd_and_lion_checkpoints_resume_at_another_world_size(launches, kind):
         oa, ob = consolidate_optimizer_state(src), consolidate_optimizer_state(hop)
         level = max(st[FAMILY[kind]].abs().max() for st in oa.values()) * (1 + 2**-7) * 255 / 127**2
         for name in oa:
+            kept = {FAMILY[kind], "step"} | ({"kahan_comp"} if kind == "torch_sgd" else set())
+            kept |= {"exp_avg_sq"} if kind == "muon" and name.endswith("bias") else set()
             assert set(oa[name]) == set(ob[name]) == kept, name
-            assert "kahan_comp" not in kept or torch.equal(oa[name]["kahan_comp"], ob[name]["kahan_comp"]), name
             assert int(ob[name]["step"]) == int(oa[name]["step"]) == 3  # 4 steps, one skipped
-            a, b = oa[name][FAMILY[kind]], ob[name][FAMILY[kind]]
-            assert not torch.equal(a, torch.zeros_like(a))
-            if kind == "torch_sgd":
-                assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
-            else:
-                assert ((a - b).abs() <= 2 * level + a.abs() * 2**-7).all(), name  # two hops
+            for key in kept - {"step"}:
+                a, b = oa[name][key], ob[name][key]
+                assert key == "kahan_comp" or not torch.equal(a, torch.zeros_like(a)), (name, key)
+                if kind == "lion":
+                    assert ((a - b).abs() <= 2 * level + a.abs() * 2**-7).all(), name  # two hops
+                else:
+                    assert a.dtype == torch.bfloat16 and torch.equal(a, b), (name, key)
+
+
+def test_adafactor_checkpoints_are_refused_at_another_world_size_before_anything_is_loaded(launches):
+    """Adafactor's row and column statistics are not per element: a resume on another number of ranks says so and
+    loads nothing (the same number of ranks resumes through DeepSpeed's own load)."""
+    refused = launches / "one" / "adafactor_to1"
+    assert "keeps row and column statistics (Adafactor), which cannot be re-partitioned" in output(refused)
+    assert not (refused / "rank0.pt").exists() and not (refused / "resaved").exists()
 
 
 def test_sub_group_size_changed_too(chain):

@@ -12,10 +12,11 @@ from lightning_pure_bf16.optim.base import PureBF16Optimizer, register_construct
 from lightning_pure_bf16.optim.lion import Lion
 from lightning_pure_bf16.optim.muon import Muon
 from lightning_pure_bf16.optim.sgd import SGD
-from lightning_pure_bf16.optim.state_dicts import KAHAN_KEY, is_scale_key, scale_key
+from lightning_pure_bf16.optim.state_dicts import KAHAN_KEY, STATISTICS_KEY, is_scale_key, scale_key
 
 __all__ = [
     "KAHAN_KEY",
+    "STATISTICS_KEY",
     "SGD",
     "Adafactor",
     "Adam",
