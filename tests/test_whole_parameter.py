@@ -169,33 +169,55 @@ def test_a_tensor_holding_several_parameters_steps_each_as_its_own(name):
         torch.testing.assert_close(run, p.detach().reshape(-1), rtol=2e-6, atol=2e-6)
 
 
-def _two_ranks(rank, store, name, queue):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def _dtensor_run(cls, shapes, groups_kw, steps):
+    """The parameters of ``shapes`` as FSDP2 shards them over every rank (``Shard(0)``), stepped ``steps`` times;
+    returns the whole parameters."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])) for p in _init(shapes)]
+    half = len(params) // 2
+    opt = cls([{"params": params[:half], **groups_kw[0]}, {"params": params[half:], **groups_kw[1]}])
+    for t in range(steps):
+        for i, p in enumerate(params):
+            p.grad = distribute_tensor(_grad(p.shape, t, i), mesh, [Shard(0)])
+        opt.step()
+    return [p.detach().full_tensor().reshape(-1) for p in params]
+
+
+def _two_ranks(rank, out, name, layout):
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
     try:
         ours, _, shapes, groups = ALGORITHMS[name]
-        queue.put((rank, _flat_run(ours, shapes, groups, 5, _zero3_pieces(2, dist.group.WORLD), rank)))
+        if layout == "zero3":
+            runs = _flat_run(ours, shapes, groups, 5, _zero3_pieces(2, dist.group.WORLD), rank)
+        else:
+            runs = _dtensor_run(ours, [s for s in shapes if s], groups, 5)
+        torch.save(runs, out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("layout", ["zero3", "fsdp2"])
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_two_ranks_holding_halves_of_each_parameter_step_it_as_one_process(name, tmp_path):
+def test_two_ranks_holding_halves_of_each_parameter_step_it_as_one_process(name, layout, tmp_path):
     """Two processes, each holding the half of every parameter ZeRO-3 would give it (a run cutting across rows, the
-    last one padded): the ranks' summed statistics (Adafactor) and the owner's orthogonalization (Muon) give the
-    update of the whole parameters in one process."""
+    last one padded) or FSDP2 would (a DTensor's rows): the ranks' summed statistics (Adafactor) and the owner's
+    orthogonalization (Muon) give the update of the whole parameters in one process."""
     ours, _, shapes, groups = ALGORITHMS[name]
+    if layout == "fsdp2":
+        shapes = [s for s in shapes if s]  # a 0-dim tensor cannot be sharded by rows
     ref, _ = _run(ours, _init(shapes), groups, 5)
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_two_ranks, args=(r, tmp_path / "store", name, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_two_ranks, args=(r, tmp_path, name, layout)) for r in range(2)]
     for proc in procs:
         proc.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
     for proc in procs:
-        proc.join(timeout=60)
+        proc.join(timeout=120)
         assert proc.exitcode == 0
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for i, p in enumerate(ref):
-        whole = torch.cat([results[0][i], results[1][i]])
+        whole = torch.cat([results[0][i], results[1][i]]) if layout == "zero3" else results[1][i]
         torch.testing.assert_close(whole, p.detach().reshape(-1), rtol=2e-6, atol=2e-6)
 
 
