@@ -55,6 +55,9 @@ CONFIGS = (
     "pure_bf16_sgd_momentum",
     "pure_bf16_sgd_momentum_int8_release",
     "pure_bf16_sgd",
+    "pure_bf16_adafactor",
+    "pure_bf16_adafactor_kahan",
+    "pure_bf16_muon",
     "deepspeed_bf16_master",
     "deepspeed_bf16_mixed",
 )
@@ -81,6 +84,9 @@ LABELS = {
     "pure_bf16_sgd_momentum": "SGD with momentum 0.9",
     "pure_bf16_sgd_momentum_int8_release": "SGD with momentum 0.9, 8-bit momentum, gradient release",
     "pure_bf16_sgd": "SGD without momentum",
+    "pure_bf16_adafactor": "Adafactor, stochastic rounding",
+    "pure_bf16_adafactor_kahan": "Adafactor, Kahan",
+    "pure_bf16_muon": "Muon on the matrices, AdamW on the biases",
     "deepspeed_bf16_master": "DeepSpeed bf16_master_weights_and_grads + bf16_optimizer_states",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 (fp32 masters and moments)",
 }
@@ -158,7 +164,7 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
 
     import deepspeed
 
-    from lightning_pure_bf16 import SGD, AdamW, Lion
+    from lightning_pure_bf16 import SGD, Adafactor, AdamW, Lion, Muon
     from lightning_pure_bf16._internals import alias_bf16_master_partitions
     from lightning_pure_bf16.config import pure_bf16_deepspeed_config
     from lightning_pure_bf16.core import init_zero3_optimizer_state
@@ -188,6 +194,13 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
         optimizer: torch.optim.Optimizer
         if "_lion" in name:
             optimizer = Lion(model.parameters(), lr=1e-4, rounding=rounding, **storage)
+        elif "_adafactor" in name:
+            optimizer = Adafactor(model.parameters(), lr=1e-2, rounding=rounding, **storage)
+        elif "_muon" in name:
+            matrices = [p for p in model.parameters() if p.ndim == 2]
+            others = [p for p in model.parameters() if p.ndim != 2]
+            groups = [{"params": matrices}, {"params": others, "use_muon": False}]
+            optimizer = Muon(groups, lr=2e-2, rounding=rounding, **storage)
         elif "_sgd" in name:
             momentum = 0.9 if "momentum" in name else 0.0
             optimizer = SGD(model.parameters(), lr=1e-2, momentum=momentum, rounding=rounding, **storage)
@@ -318,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "8-bit moments: one byte per element and a bf16 scale per 128 elements (0.016 B/param per moment, in the"
         " exp_avg, exp_avg_sq and momentum columns). Lion keeps one moment (exp_avg), SGD its momentum buffer (none"
-        " without momentum).",
+        " without momentum), Muon its momentum (exp_avg) on the matrices and AdamW's two moments on the biases,"
+        " Adafactor float32 row and column statistics (in the total, not a column of its own).",
         "",
         "States in mmap files: the peak adds the two streaming slots, 2 x (2 or 3 buffers) x min(2**22, largest"
         " partition) bf16 elements (pinned host memory, and device memory on CUDA), a fixed cost that does not grow"

@@ -57,6 +57,11 @@ MODEL_STATE_BYTES: dict[str, dict[str, float]] = {
     "pure_bf16_sgd_momentum": {"param": 2, "grad": 2, "momentum_buffer": 2},
     "pure_bf16_sgd_momentum_int8_release": {"param": 2, "momentum_buffer": 1 + 2 / 128},
     "pure_bf16_sgd": {"param": 2, "grad": 2},
+    # Adafactor: float32 row and column statistics (O(rows + columns), under 0.1 B/param at a width of 256; not
+    # listed), Kahan's remainder; Muon: its momentum on the matrices (AdamW's two moments on the rest).
+    "pure_bf16_adafactor": {"param": 2, "grad": 2},
+    "pure_bf16_adafactor_kahan": {"param": 2, "grad": 2, "kahan_comp": 2},
+    "pure_bf16_muon": {"param": 2, "grad": 2, "exp_avg": 2},
     # bf16_master_weights_and_grads + bf16_optimizer_states: a second bf16 copy as master.
     "deepspeed_bf16_master": {"param": 2, "grad": 2, "master": 2, "exp_avg": 2, "exp_avg_sq": 2},
     # DeepSpeed's bf16 default: fp32 master weights and fp32 moments.

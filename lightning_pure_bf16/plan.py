@@ -76,6 +76,9 @@ LABELS = {
     "pure_bf16_sgd_momentum": "SGD with momentum",
     "pure_bf16_sgd_momentum_int8_release": "SGD, 8-bit momentum, gradient release",
     "pure_bf16_sgd": "SGD without momentum",
+    "pure_bf16_adafactor": "Adafactor (stochastic rounding)",
+    "pure_bf16_adafactor_kahan": "Adafactor (Kahan)",
+    "pure_bf16_muon": "Muon (AdamW beside it for non-matrices)",
     "deepspeed_bf16_master": "DeepSpeed bf16 masters (bf16_master_weights_and_grads)",
     "deepspeed_bf16_mixed": "DeepSpeed bf16 mixed (fp32 masters and moments)",
 }

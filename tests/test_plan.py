@@ -45,6 +45,10 @@ def test_70b_on_8x80gb():
         "pure_bf16_sgd_momentum": 6.0,
         "pure_bf16_sgd_momentum_int8_release": 3.0 + 2 / 128,
         "pure_bf16_sgd": 4.0,
+        # Adafactor: no state per element; Muon: one.
+        "pure_bf16_adafactor": 4.0,
+        "pure_bf16_adafactor_kahan": 6.0,
+        "pure_bf16_muon": 6.0,
     }
     assert p.per_gpu_model_state_gib["pure_bf16_stochastic"] == pytest.approx(70e9 * 8 / 8 / GIB)
     # With the default margin (15%, 12 GiB for activations) 8 bytes/param is just over 80 GiB; 8-bit moments fit.
