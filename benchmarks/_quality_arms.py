@@ -249,11 +249,14 @@ def state_bytes_per_param(opt: torch.optim.Optimizer, model_params: list[torch.T
 
 # The family study (``convergence.py --study family``): per algorithm other than AdamW, its reference optimizer
 # (torch's, or the tests' reference Lion with lion-pytorch's semantics), this package's class, the hyperparameters of
-# every arm, and the weight decay on matrices (Lion's 3x AdamW's, as its authors advise; SGD's L2 penalty).
+# every arm, and the weight decay on matrices (Lion's 3x AdamW's, as its authors advise; SGD's L2 penalty; Muon's on
+# the AdamW scale with `match_rms_adamw`, its hidden matrices in Muon and the rest in AdamW, as nanochat trains).
 FAMILY_ARMS = ("fp32_masters", "stochastic", "kahan", "nearest_bf16")
 FAMILY = {
     "lion": {"hyperparameters": {"betas": (0.9, 0.99)}, "weight_decay": 0.3},
     "sgd": {"hyperparameters": {"momentum": 0.9, "nesterov": True}, "weight_decay": 1e-4},
+    "adafactor": {"hyperparameters": {}, "weight_decay": 0.0},
+    "muon": {"hyperparameters": {"adjust_lr_fn": "match_rms_adamw"}, "weight_decay": 0.1},
 }
 FAMILY_LABELS = {
     "fp32_masters": "fp32 masters and states (the reference optimizer, DeepSpeed bf16 mixed arithmetic)",
@@ -261,7 +264,11 @@ FAMILY_LABELS = {
     "kahan": "this package, rounding='kahan'",
     "nearest_bf16": "the reference optimizer on bf16 weights (round to nearest)",
 }
+# Model state per parameter of each arm (the bf16 weight and gradient, then what the optimizer keeps), per
+# algorithm's number of states per element: Lion, SGD and Muon one, Adafactor none (its factored statistics and
+# Muon's AdamW-stepped embeddings left out).
 FAMILY_BYTES = {"fp32_masters": 12.0, "stochastic": 6.0, "kahan": 8.0, "nearest_bf16": 6.0}
+FAMILY_BYTES_NO_STATE = {"fp32_masters": 8.0, "stochastic": 4.0, "kahan": 6.0, "nearest_bf16": 4.0}
 
 
 def _family_classes(algorithm: str) -> tuple[type, type]:
@@ -274,6 +281,18 @@ def _family_classes(algorithm: str) -> tuple[type, type]:
         from tests.reference.lion import ReferenceLion
 
         return ReferenceLion, Lion
+    if algorithm == "muon":
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from lightning_pure_bf16 import Muon
+        from tests.reference.muon import ReferenceMuonAdamW
+
+        return ReferenceMuonAdamW, Muon
+    if algorithm == "adafactor":
+        from lightning_pure_bf16 import Adafactor
+
+        return torch.optim.Adafactor, Adafactor
     from lightning_pure_bf16 import SGD
 
     return torch.optim.SGD, SGD

@@ -39,13 +39,14 @@ interrupted one from its last evaluation, so a study completes over several sitt
     python benchmarks/convergence.py --study width --seeds 1 --arms kahan int8_kahan --threads 1
 Writes benchmarks/results/convergence_{width,finetune}{,_quick,_gpu}{.md,.png,_summary.csv,_runs.json}.
 
-``--study family`` is the same check for the other algorithms of the package: Lion and SGD (Nesterov momentum), each
-trained with float32 master weights and states (its reference optimizer: torch.optim.SGD, and lion-pytorch's rule in
-``tests/reference/lion.py``), with this package's optimizer rounding stochastically and with Kahan compensation, and
+``--study family`` is the same check for the other algorithms of the package: Lion, SGD (Nesterov momentum), Adafactor
+and Muon (AdamW beside it for embeddings and vectors), each trained with float32 master weights and states (its
+reference optimizer: torch.optim.SGD, Adafactor and Muon + AdamW (``tests/reference/muon.py``), and lion-pytorch's rule
+in ``tests/reference/lion.py``), with this package's optimizer rounding stochastically and with Kahan compensation, and
 with the reference optimizer directly on bf16 weights (round to nearest); at a learning rate of training from scratch
 and at one of fine-tuning (``FAMILY_LRS``), two seeds, on the small GPT. Resumable as the quality studies.
 
-    python benchmarks/convergence.py --study family            # 32 runs of 300 steps, 2-5 min each
+    python benchmarks/convergence.py --study family            # 64 runs of 300 steps, 2-5 min each
     python benchmarks/convergence.py --study family --quick    # 100 steps, seed 0
 Writes benchmarks/results/convergence_family{,_quick}.{csv,md,png} and its _runs.json.
 """
@@ -188,6 +189,13 @@ def train_arm(
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if arm.startswith("muon:"):  # the hidden matrices in Muon; the embeddings (and the tied head) and vectors in AdamW
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        groups = [
+            {"params": [p for p in decay if id(p) not in embeddings], "weight_decay": args.weight_decay},
+            {"params": [p for p in decay if id(p) in embeddings], "weight_decay": args.weight_decay, "use_muon": False},
+            {"params": no_decay, "weight_decay": 0.0, "use_muon": False},
+        ]
     opt = make_optimizer(arm, groups, lr, seed)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args.warmup, args.steps))
     curve = [(0, evaluate(model, val, dtype, args.batch_size, device))]
@@ -210,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--finetune-lrs", type=float, nargs="+", default=[1e-5, 3e-5])
     parser.add_argument(
-        "--algorithms", nargs="+", choices=("lion", "sgd"), default=None, help="family: run these only (default all)"
+        "--algorithms",
+        nargs="+",
+        choices=("lion", "sgd", "adafactor", "muon"),
+        default=None,
+        help="family: run these only (default all)",
     )
     parser.add_argument("--pretrain-seed", type=int, default=0, help="finetune: the width run it starts from")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -430,14 +442,14 @@ def int8_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, d
     return 0
 
 
-# --- The family study: Lion and SGD, each beside its own fp32-masters and round-to-nearest versions ---------------
+# --- The family study: Lion, SGD, Adafactor and Muon, each beside its fp32-masters and round-to-nearest versions ------
 # Per algorithm, a learning rate of training from scratch and one of fine-tuning, where every update is far below a
 # bf16 spacing of the weights (Lion: lr 3e-6 moves a weight of 0.02 by 1.5e-4 of itself, a tenth of half a spacing).
-FAMILY_LRS = {"lion": (1e-4, 3e-6), "sgd": (0.3, 3e-3)}
+FAMILY_LRS = {"lion": (1e-4, 3e-6), "sgd": (0.3, 3e-3), "adafactor": (1e-2, 1e-4), "muon": (3e-3, 1e-5)}
 
 
 def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows, device: torch.device) -> int:
-    """``--study family``: every arm of ``_quality_arms.FAMILY_ARMS`` for Lion and SGD at both learning rates of
+    """``--study family``: every arm of ``_quality_arms.FAMILY_ARMS`` for every algorithm at both learning rates of
     :data:`FAMILY_LRS` and every seed; each finished run kept in ``<stem>_runs.json`` (a rerun skips it)."""
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "convergence_family_quick" if args.quick else "convergence_family"
@@ -468,7 +480,8 @@ def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows,
         p.numel() for p in GPT(GPTConfig(args.block_size, 256, args.n_layer, args.n_head, args.n_embd)).parameters()
     )
     lines = [
-        f"# Convergence of Lion and SGD in pure bf16: byte-level GPT, {n_params:,} parameters, {args.steps} steps",
+        f"# Convergence of Lion, SGD, Adafactor and Muon in pure bf16: byte-level GPT, {n_params:,} parameters,"
+        f" {args.steps} steps",
         "",
         f"Command: `{command}` (device: {args.device}). Each algorithm trains the same bf16 model four ways: with"
         " float32 master weights and states (its reference optimizer, rounded to nearest into the bf16 weights, the"
@@ -476,7 +489,12 @@ def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows,
         " with Kahan compensation, and with the reference optimizer directly on the bf16 weights (every write rounded"
         " to nearest). Lion: lion-pytorch's semantics (`tests/reference/lion.py`), betas (0.9, 0.99), weight decay"
         f" {quality_arms.FAMILY['lion']['weight_decay']} on matrices; SGD: torch.optim.SGD, Nesterov momentum 0.9,"
-        f" weight decay {quality_arms.FAMILY['sgd']['weight_decay']} on matrices. Warm-up {args.warmup} steps, cosine"
+        f" weight decay {quality_arms.FAMILY['sgd']['weight_decay']} on matrices; Adafactor: torch.optim.Adafactor's"
+        " defaults (the learning rate caps its relative step); Muon: torch.optim.Muon (adjust_lr_fn="
+        f"'match_rms_adamw', weight decay {quality_arms.FAMILY['muon']['weight_decay']}) on the hidden matrices and"
+        " torch.optim.AdamW (betas (0.9, 0.95), eps 1e-10) on the embeddings and vectors (`tests/reference/muon.py`;"
+        " this package's Muon steps both). The model state column counts the per-element states (Adafactor's"
+        " factored statistics and Muon's AdamW-stepped embeddings left out). Warm-up {args.warmup} steps, cosine"
         f" to 10%, batch {args.batch_size} x {args.block_size} bytes, {args.n_layer} layers x {args.n_embd} wide; per"
         f" seed the same initial weights and data order in every arm; seeds {', '.join(map(str, seeds))}. Final"
         " validation loss: mean over seeds; spread: half the seed-to-seed range; gap: to the fp32-masters arm.",
@@ -490,6 +508,8 @@ def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows,
         for lr in lrs:
             ref = [curve(algorithm, "fp32_masters", lr, s)[-1][1] for s in seeds]
             ref_mean = sum(ref) / len(ref)
+            no_state = algorithm == "adafactor"
+            state_bytes = quality_arms.FAMILY_BYTES_NO_STATE if no_state else quality_arms.FAMILY_BYTES
             for arm in arms:
                 losses = [curve(algorithm, arm, lr, s)[-1][1] for s in seeds]
                 mean = sum(losses) / len(losses)
@@ -497,7 +517,7 @@ def family_study(args: argparse.Namespace, train: ByteWindows, val: ByteWindows,
                 per_seed = ", ".join(f"{100 * (x - r) / r:+.2f}%" for x, r in zip(losses, ref))
                 spread = (max(losses) - min(losses)) / 2
                 lines.append(
-                    f"| {algorithm} | {lr:g} | {quality_arms.FAMILY_LABELS[arm]} | {quality_arms.FAMILY_BYTES[arm]:.2f}"
+                    f"| {algorithm} | {lr:g} | {quality_arms.FAMILY_LABELS[arm]} | {state_bytes[arm]:.2f}"
                     f" | {mean:.4f} | {spread:.4f} | {gap:+.2f}% | {per_seed} |"
                 )
                 rows.append({"algorithm": algorithm, "lr": lr, "arm": arm, "loss": f"{mean:.5f}", "gap_pct": gap})

@@ -266,6 +266,28 @@ def test_an_inf_gradient_skips_the_whole_step(name):
     assert all(int(opt.state[p]["step"]) == int(s["step"]) for p, s in zip(params, states))
 
 
+def test_muon_with_adamw_groups_computes_torchs_muon_and_adamw_together():
+    """Muon on the matrices and AdamW (``use_muon=False``) on the rest, on float32: what torch's Muon and AdamW
+    compute on the same groups (tests/reference/muon.py), a scheduler's lr included."""
+    from tests.reference.muon import ReferenceMuonAdamW
+
+    shapes = [(6, 5), (4, 9), (7,), (3, 5)]
+    groups = [{"lr": 2e-2}, {"use_muon": False, "lr": 1e-3, "weight_decay": 0.0}]
+    results = []
+    for cls in (Muon, ReferenceMuonAdamW):
+        params = [p.clone().requires_grad_() for p in _init(shapes)]
+        opt = cls([{"params": params[:2], **groups[0]}, {"params": params[2:], **groups[1]}], adjust_lr_fn="original")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        for t in range(4):
+            for i, p in enumerate(params):
+                p.grad = _grad(p.shape, t, i)
+            opt.step()
+            sched.step()
+        results.append(params)
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q, rtol=2e-6, atol=2e-6)
+
+
 def test_muon_steps_its_adamw_groups_as_adamw():
     """A group with ``use_muon=False`` is AdamW with DeepSpeed's MuonWithAuxAdam defaults (betas (0.9, 0.95), eps
     1e-10): bit for bit this package's AdamW on the same tensors."""
