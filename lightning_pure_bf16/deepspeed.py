@@ -65,8 +65,8 @@ def _optimizer_from_config(section: dict[str, Any], params: Any, options: Optimi
     if kind not in _CONFIG_OPTIMIZERS:
         raise ValueError(
             f"`{WHO}`: the config's optimizer is {section.get('type')!r}; pure bf16 builds Adam, AdamW and Lion from"
-            ' the config. Use `"type": "AdamW"`, or pass the optimizer as `optimizer` (a torch.optim.AdamW, Adam or'
-            " SGD, or this package's AdamW, Adam, Lion or SGD)."
+            ' the config. Use `"type": "AdamW"`, or pass the optimizer as `optimizer` (a torch.optim.AdamW, Adam,'
+            " SGD, Adafactor or Muon, or this package's AdamW, Adam, Lion, SGD, Adafactor or Muon)."
         )
     hp = dict(section.get("params", {}))
     if "betas" in hp:

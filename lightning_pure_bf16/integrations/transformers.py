@@ -175,8 +175,8 @@ class PureBF16Trainer(PureBF16TrainerMixin, transformers.Trainer):
             ``deepspeed`` set (:func:`deepspeed_config`, a dict or a JSON file); ``optim`` an AdamW
             (``"adamw_torch"``, the default, or ``"adamw_torch_fused"``) or ``"sgd"`` (``optim_args`` as the
             Trainer takes them: ``"momentum=0.9,nesterov=true"``). ``optimizers=(optimizer, scheduler)`` may give a
-            torch ``AdamW``/``Adam``/``SGD`` or this package's ``AdamW``, ``Adam``, ``Lion`` or ``SGD`` and a
-            scheduler on it.
+            torch ``AdamW``/``Adam``/``SGD``/``Adafactor``/``Muon`` or this package's ``AdamW``, ``Adam``, ``Lion``,
+            ``SGD``, ``Adafactor`` or ``Muon`` and a scheduler on it.
         rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache:
             keyword options, as :func:`lightning_pure_bf16.deepspeed.initialize` (and the strategies) take them.
         trust_checkpoint: a resume reads files that need code to be read, with the full unpickler (default: False,
