@@ -32,7 +32,7 @@ from lightning_pure_bf16.memory import format_report, sharded_model_state_report
 from lightning_pure_bf16.optim import PureBF16Optimizer
 from lightning_pure_bf16.optim.options import OptimizerOptions
 from lightning_pure_bf16.optim.sharded import is_dtensor
-from lightning_pure_bf16.safe_load import check_dcp_checkpoint
+from lightning_pure_bf16.safe_load import check_dcp_checkpoint, checkpoint_safe_globals
 
 # The registered names: (description, the strategy arguments they set).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -302,7 +302,7 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
         trust = self.trust_checkpoint or weights_only is False
         path = Path(self.broadcast(checkpoint_path))
         check_dcp_checkpoint(path, trust=trust)
-        with torch.serialization.safe_globals(_internals.checkpoint_safe_globals()):
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
             return super().load_checkpoint(path, weights_only=not trust)
 
     # ------------------------------------------------------------------------------------------------ inspection

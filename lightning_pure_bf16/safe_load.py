@@ -3,7 +3,7 @@
 A ``.pt`` file is a pickle, and unpickling can call any function the file names: a checkpoint from a colleague, a hub
 or a bucket could run a command on every rank that loads it. Every file this package reads from a checkpoint is read
 here, with torch's weights-only unpickler and an allowlist of the few classes DeepSpeed writes into the checkpoints of
-the configurations this package runs (:func:`lightning_pure_bf16._internals.checkpoint_safe_globals`). DeepSpeed's own
+the configurations this package runs (:func:`checkpoint_safe_globals`). DeepSpeed's own
 loader (``weights_only=False``) only ever sees files that passed this check. A file that needs anything else is
 refused, naming the file and the types, unless the caller opts in to trusting the checkpoint.
 """
@@ -20,6 +20,56 @@ from typing import Any
 import torch
 
 from lightning_pure_bf16 import _internals
+
+# The classes DeepSpeed pickles into its checkpoint files besides tensors and builtins (the optimizer-state files:
+# ZeRO's loss scaler, a static one under bf16, and its stage enum), in the configurations this package saves and the
+# DeepSpeed bf16-mixed checkpoints it converts. Constructing either runs no code beyond their own ``__init__``.
+CHECKPOINT_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler:LossScaler",
+    "deepspeed.runtime.zero.config:ZeroStageEnum",
+)
+
+
+# What the ``.metadata`` file of a ``torch.distributed.checkpoint`` folder (FSDP2's checkpoints) names: DCP's metadata
+# dataclasses and enum, its file reader's storage record, torch.Size, the layout decoder and paths; torch's dtypes,
+# layouts and memory formats are allowed besides (see :func:`dcp_metadata_global`). DCP reads the file with
+# ``pickle.load``, which would call anything the file names; constructing these runs no code beyond their own.
+DCP_METADATA_GLOBALS = (
+    "torch.distributed.checkpoint.metadata:Metadata",
+    "torch.distributed.checkpoint.metadata:TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata:BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata:ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata:TensorProperties",
+    "torch.distributed.checkpoint.metadata:MetadataIndex",
+    "torch.distributed.checkpoint.metadata:StorageMeta",
+    "torch.distributed.checkpoint.metadata:_MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem:_StorageInfo",
+    "torch:Size",
+    "torch.serialization:_get_layout",
+    "pathlib:PosixPath",
+    "pathlib:PurePosixPath",
+    "pathlib:WindowsPath",
+    "pathlib:PureWindowsPath",
+    "collections:OrderedDict",
+)
+
+
+def dcp_metadata_global(module: str, name: str) -> Any:
+    """The object a DCP ``.metadata`` file may name as ``module.name``, or ``None`` when it is not allowed: one of
+    :data:`DCP_METADATA_GLOBALS`, or a torch dtype, layout or memory format (pickled by name)."""
+    if f"{module}:{name}" in DCP_METADATA_GLOBALS:
+        return _internals.resolve(f"{module}:{name}")
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+    return None
+
+
+def checkpoint_safe_globals() -> list[Any]:
+    """The allowlist of :data:`CHECKPOINT_GLOBALS` for torch's weights-only unpickler (``torch.serialization``)."""
+    return [_internals.resolve(name) for name in CHECKPOINT_GLOBALS]
+
 
 # The ways to opt in, in the words of each front end (one message for all: a checkpoint travels between them).
 TRUST_OPT_IN = (
@@ -50,7 +100,7 @@ def load_state_file(path: str | os.PathLike, *, trust: bool = False) -> dict[str
         CheckpointError: the file is not a readable torch file.
     """
     path = Path(path)
-    with torch.serialization.safe_globals(_internals.checkpoint_safe_globals()):
+    with torch.serialization.safe_globals(checkpoint_safe_globals()):
         try:
             return _load(path, trust)
         except pickle.UnpicklingError as err:
@@ -84,7 +134,7 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
     "restricting globals"): any other name in the file stops the read before anything is called."""
 
     def find_class(self, module: str, name: str) -> Any:
-        obj = _internals.dcp_metadata_global(module, name)
+        obj = dcp_metadata_global(module, name)
         if obj is None:
             raise pickle.UnpicklingError(f"{module}.{name}")
         return obj
@@ -188,6 +238,10 @@ def _first_line(err: BaseException) -> str:
 
 
 __all__ = [
+    "CHECKPOINT_GLOBALS",
+    "DCP_METADATA_GLOBALS",
+    "checkpoint_safe_globals",
+    "dcp_metadata_global",
     "CheckpointError",
     "TRUST_OPT_IN",
     "UntrustedCheckpointError",

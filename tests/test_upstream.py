@@ -1,7 +1,7 @@
 """Every private DeepSpeed, Lightning and torch name the package relies on, checked against the installed versions.
 
 The names and the copied upstream code are listed once, in ``tests/upstream_names.py`` (the access itself is all in
-``lightning_pure_bf16/_internals.py``); these tests check each entry. An upgrade that renames or removes one of them,
+``lightning_pure_bf16/_internals/``); these tests check each entry. An upgrade that renames or removes one of them,
 or changes code the package copies, fails here naming it, instead of silently turning a feature off (a memory report
 of 0 bytes, a skipped step never logged, a warning filter that no longer matches).
 """
@@ -14,11 +14,16 @@ import re
 import pytest
 import torch
 
-from lightning_pure_bf16 import _internals, collectives
+from lightning_pure_bf16 import _internals, collectives, safe_load
 from lightning_pure_bf16._internals import UpstreamChanged, resolve
 from tests.upstream_names import COPIED_UPSTREAM, OPTIONAL_OWNERS, PRIVATE_NAMES, source_fingerprint, undecorated
 
-PACKAGE = pathlib.Path(_internals.__file__).parent
+PACKAGE = pathlib.Path(_internals.__file__).parent.parent
+
+
+def _internal(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a file of the private surface (the ``_internals`` package)."""
+    return "_internals" in path.parts or path.name == "_internals.py"
 
 
 @pytest.mark.parametrize("entry", PRIVATE_NAMES, ids=lambda e: f"{e.owner.split(':')[-1]}.{e.name}"[:60])
@@ -85,7 +90,7 @@ def test_no_other_module_touches_the_private_surface():
     }
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "_internals.py":
+        if _internal(path):
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -192,7 +197,7 @@ def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
     offenders = [
         hit
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "_internals.py"
+        if not _internal(path)
         for hit in _private_upstream_imports(path)
     ]
     assert not offenders, f"private upstream names imported outside _internals.py: {offenders}"
@@ -292,13 +297,13 @@ def test_fingerprint_sees_through_a_decorator_that_hides_the_function():
     assert len({source_fingerprint(f"{stage3}.{name}") for name in names}) == len(names)
 
 
-@pytest.mark.parametrize("name", _internals.DCP_METADATA_GLOBALS)
+@pytest.mark.parametrize("name", safe_load.DCP_METADATA_GLOBALS)
 def test_every_class_a_dcp_metadata_file_may_name_exists(name):
     module, _, qualname = name.partition(":")
-    assert _internals.dcp_metadata_global(module, qualname) is resolve(name)
+    assert safe_load.dcp_metadata_global(module, qualname) is resolve(name)
     # Anything else is refused, torch's callables included.
-    assert _internals.dcp_metadata_global("torch", "load") is None
-    assert _internals.dcp_metadata_global("os", "system") is None
+    assert safe_load.dcp_metadata_global("torch", "load") is None
+    assert safe_load.dcp_metadata_global("os", "system") is None
 
 
 def _gloo_collectives(rank, world, store, out):
@@ -475,7 +480,7 @@ def private_accesses(trees: dict[pathlib.Path, ast.Module], inherited: dict[str,
     own -= set(inherited)
     offenders = []
     for path, tree in trees.items():
-        internal = path.name == "_internals.py"
+        internal = _internal(path)
         for node in ast.walk(tree):
             where = f"{path.name}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:

@@ -1,7 +1,7 @@
 """The registry of the private upstream names the package relies on, and the tools that check it (test data: nothing
 in the package reads it).
 
-Every private name of DeepSpeed, Lightning, torch, transformers or Accelerate that ``lightning_pure_bf16/_internals.py``
+Every private name of DeepSpeed, Lightning, torch, transformers or Accelerate that ``lightning_pure_bf16/_internals/``
 touches is listed in :data:`PRIVATE_NAMES` with what it is expected to be and why the package needs it, and the
 upstream code the package copies or replaces in :data:`COPIED_UPSTREAM` (a fingerprint of each tested version's
 source). ``tests/test_upstream.py`` checks both against the installed versions, so an upgrade that changes one fails
@@ -74,6 +74,7 @@ deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3
     fp16_partitioned_groups_flat | attribute | the bf16 parameter partitions (memory report)
     fp32_partitioned_groups_flat | attribute | the master partitions the optimizer updates
     sub_group_to_group_id | attribute | maps each flat partition to its param group
+    dp_process_group | attribute | the process group the partitions are spread over (Adafactor's and Muon's collectives)
     grad_partitions_flat_buffer | attribute | the gradient partition (memory report)
     optimizer | attribute | the wrapped pure-bf16 optimizer
     def _prepare_fp32_grad_for_sub_group(self, sub_group_id) | marker | replaced per engine: the sub-group's gradient as
