@@ -195,10 +195,7 @@ def _private_upstream_imports(path: pathlib.Path) -> list[str]:
 
 def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
     offenders = [
-        hit
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if not _internal(path)
-        for hit in _private_upstream_imports(path)
+        hit for path in sorted(PACKAGE.rglob("*.py")) if not _internal(path) for hit in _private_upstream_imports(path)
     ]
     assert not offenders, f"private upstream names imported outside _internals.py: {offenders}"
     # The check sees one when there is one.
