@@ -290,7 +290,7 @@ def _gpt(spec: Spec) -> object:
 
 
 def _deepspeed_config(arm: str, spec: Spec) -> dict:
-    from lightning_pure_bf16.core import CPU_BUCKET, GPU_BUCKET
+    from lightning_pure_bf16.presets import CPU_BUCKET, GPU_BUCKET
 
     bucket = CPU_BUCKET if spec.device == "cpu" else GPU_BUCKET
     bf16 = {"enabled": True}

@@ -130,8 +130,8 @@ def planner_largest(
     """The largest model ``python -m lightning_pure_bf16.plan`` says fits each of its configurations, for a budget of
     ``budget_gib`` over ``world_size`` devices, a margin of ``margin_gib`` per device, the device's buckets and the
     strategies' ``gather_cache`` (bisection on params)."""
-    from lightning_pure_bf16.core import CPU_BUCKET, GPU_BUCKET
     from lightning_pure_bf16.plan import plan
+    from lightning_pure_bf16.presets import CPU_BUCKET, GPU_BUCKET
 
     bucket = CPU_BUCKET if device == "cpu" else GPU_BUCKET
     out = {}

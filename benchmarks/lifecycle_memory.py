@@ -222,7 +222,7 @@ def _run_world_size_trainer(spec: Spec, work: Path, phases: _Phases, stage: str)
 def _run_world_size(spec: Spec, work: Path, phases: _Phases, stage: str) -> None:
     """One launch of the world-size arm: ``source`` (2 ranks: the first steps and a save), ``to1`` (1 rank: that
     checkpoint loaded, measured, and saved again), ``to2`` (2 ranks: the 1-rank checkpoint loaded, measured). The
-    load is what Lightning's Trainer runs too (both front ends call ``core.load_checkpoint``)."""
+    load is what Lightning's Trainer runs too (both front ends call ``engine_checkpoints.load_checkpoint``)."""
     import torch
     from lightning.fabric import Fabric
 

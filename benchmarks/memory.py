@@ -167,8 +167,8 @@ def _measure_config(rank: int, name: str, width: int, depth: int, device: str, s
     from lightning_pure_bf16 import SGD, Adafactor, AdamW, Lion, Muon
     from lightning_pure_bf16._internals import alias_bf16_master_partitions
     from lightning_pure_bf16.config import pure_bf16_deepspeed_config
-    from lightning_pure_bf16.core import init_zero3_optimizer_state
     from lightning_pure_bf16.memory import is_file_backed, zero3_model_state_report
+    from lightning_pure_bf16.zero3_engine import init_zero3_optimizer_state
 
     before = 0
     if device == "cuda":

@@ -242,7 +242,7 @@ def validate_checkpoint(
             checkpoint whose writer you trust: reading such a file can run any command.
         verify_checksums: read every state file whole to check its checksums, and unpickle it weights-only (default:
             True; the ranks of a resume share both out instead, each file checked by one rank,
-            :func:`lightning_pure_bf16.core.load_checkpoint`).
+            :func:`lightning_pure_bf16.engine_checkpoints.load_checkpoint`).
 
     Returns:
         The directory to load (``path``, or the complete copy an interrupted save left next to it) and its manifest.

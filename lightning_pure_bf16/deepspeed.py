@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16 import _internals, checkpoint, engine_checkpoints, presets, zero3_engine
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
 from lightning_pure_bf16.optim import Adam, AdamW, Lion, PureBF16Optimizer
@@ -84,7 +84,7 @@ def _optimizer_from_config(section: dict[str, Any], params: Any, options: Optimi
     return cls(params, **hp, **options.optimizer_kwargs())
 
 
-OPTION_NAMES = core.OPTION_NAMES
+OPTION_NAMES = presets.OPTION_NAMES
 
 
 def take_options(who: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def take_options(who: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     options = {name: kwargs.pop(name, defaults[name].default) for name in OPTION_NAMES}
     options["trust_checkpoint"] = kwargs.pop("trust_checkpoint", False)
     _check_trust(who, options["trust_checkpoint"])
-    core.PureBF16Settings(who=who, strategy_name=who, loaded_config=None, **{n: options[n] for n in OPTION_NAMES})
+    presets.PureBF16Settings(who=who, strategy_name=who, loaded_config=None, **{n: options[n] for n in OPTION_NAMES})
     return options
 
 
@@ -178,7 +178,7 @@ def initialize(
             " Pass one of them."
         )
     given = locals()
-    settings = core.PureBF16Settings(
+    settings = presets.PureBF16Settings(
         who=WHO, strategy_name=NAME, loaded_config=user, **{name: given[name] for name in OPTION_NAMES}
     )
     full = settings.deepspeed_config({"zero_optimization": {"stage": 3}})
@@ -197,7 +197,7 @@ def initialize(
         if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is given and optimizer is not given:
             rebind_scheduler(lr_scheduler, optimizer)  # a scheduler built on the torch optimizer follows the new one
 
-    with core.process_group_destroyed_at_exit():
+    with zero3_engine.process_group_destroyed_at_exit():
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
     rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
@@ -207,7 +207,7 @@ def initialize(
     if on_cpu:
         settings.prepare_cpu_loop(local_rank, lambda name: dist.barrier())
     kwargs.setdefault("dist_init_required", False)
-    with core.zero3_construction(gradient_release):
+    with zero3_engine.zero3_construction(gradient_release):
         engine, _, loader, scheduler = _internals.deepspeed_initialize()(
             args=args,
             model=model,
@@ -222,13 +222,13 @@ def initialize(
     # Held on the engine (`engine.pure_bf16`): a step ZeRO-3 skipped on inf/NaN is counted, warned about and flagged
     # as `optimizer.overflow` (DeepSpeed's ZeRO optimizers' flag, read by Accelerate's `step_was_skipped` and so by the
     # Hugging Face Trainer, which then leaves its scheduler where it was).
-    core.after_engine_setup(engine, NAME, device, gradient_release=gradient_release, gather_cache=gather_cache)
+    zero3_engine.after_engine_setup(engine, NAME, device, gradient_release=gradient_release, gather_cache=gather_cache)
     _route_checkpoint_methods(engine, trust_checkpoint=trust_checkpoint)
     return engine, optimizer, loader, scheduler
 
 
-def _handle(engine: Any, what: str) -> core.EngineRun:
-    run = core.engine_run(engine)
+def _handle(engine: Any, what: str) -> zero3_engine.EngineRun:
+    run = zero3_engine.engine_run(engine)
     if run is None:
         raise ValueError(
             f"`{NAME}.{what}` needs an engine made by `{WHO}`; this one was not (got {type(engine).__name__})."
@@ -248,7 +248,7 @@ def save_checkpoint(
     import torch.distributed as dist
 
     _handle(engine, "save_checkpoint")
-    core.save_checkpoint(
+    engine_checkpoints.save_checkpoint(
         engine,
         path,
         dict(client_state or {}),
@@ -279,7 +279,7 @@ def load_checkpoint(
     import torch.distributed as dist
 
     _handle(engine, "load_checkpoint")
-    client_state, _ = core.load_checkpoint(
+    client_state, _ = engine_checkpoints.load_checkpoint(
         engine,
         path,
         world_size=dist.get_world_size(),
@@ -309,7 +309,7 @@ def _route_checkpoint_methods(engine: Any, *, trust_checkpoint: bool = False) ->
         tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
         save_checkpoint(engine, Path(save_dir) / tag, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
         if save_latest and dist.get_rank() == 0:
-            core.write_latest_tag(save_dir, tag)
+            checkpoint.write_latest_tag(save_dir, tag)
         dist.barrier()
         return True
 
@@ -327,10 +327,10 @@ def _route_checkpoint_methods(engine: Any, *, trust_checkpoint: bool = False) ->
                 f"`engine.load_checkpoint` of an engine made by `{WHO}` loads whole checkpoints; for the weights"
                 " alone, consolidate them (`python -m lightning_pure_bf16.consolidate`) and load the state dict."
             )
-        if tag is None and core.is_checkpoint(load_dir):
+        if tag is None and checkpoint.is_checkpoint(load_dir):
             path = Path(load_dir)  # one checkpoint rather than a directory of them
         else:
-            path = Path(load_dir) / (core.read_latest_tag(load_dir) if tag is None else str(tag))
+            path = Path(load_dir) / (checkpoint.read_latest_tag(load_dir) if tag is None else str(tag))
         client_state = load_checkpoint(
             engine,
             path,

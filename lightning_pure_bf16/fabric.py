@@ -30,7 +30,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pure_bf16 import _internals, collectives, core
+from lightning_pure_bf16 import _internals, collectives, core, presets, zero3_engine
 from lightning_pure_bf16 import precision as pure_precision  # a module: Lightning's import may begin inside it
 from lightning_pure_bf16.adoption import adopt_for_zero3
 from lightning_pure_bf16.data import prepare_dataloader
@@ -139,7 +139,7 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        self._precision = core.translate_precision(
+        self._precision = presets.translate_precision(
             precision,
             pure_cls=pure_precision.PureBF16FabricPrecision,
             flag_classes=(DeepSpeedPrecision, Precision),
@@ -150,7 +150,7 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
     # ---------------------------------------------------------------------------------------- environment (CPU too)
     @override
     def setup_environment(self) -> None:
-        core.set_up_environment(
+        presets.set_up_environment(
             self,
             self.precision,
             DDPStrategy.setup_environment,
@@ -161,7 +161,7 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
 
     @override
     def _setup_distributed(self) -> None:
-        with core.process_group_destroyed_at_exit():
+        with zero3_engine.process_group_destroyed_at_exit():
             if isinstance(self.accelerator, CUDAAccelerator):
                 super()._setup_distributed()
                 return
@@ -214,11 +214,11 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
 
     @override
     def _initialize_engine(self, model: Module, optimizer: Optimizer | None = None, scheduler: Any = None) -> Any:
-        rank = core.device_rank(self.root_device, self.local_rank)
+        rank = zero3_engine.device_rank(self.root_device, self.local_rank)
         if optimizer is None:
             # Inference: as Fabric's own, with a device rank DeepSpeed accepts.
-            return core.initialize_engine(self.config, model, None, None, rank)
-        return core.initialize_engine(self.config, model, optimizer, scheduler, rank, self.settings)
+            return zero3_engine.initialize_engine(self.config, model, None, None, rank)
+        return zero3_engine.initialize_engine(self.config, model, optimizer, scheduler, rank, self.settings)
 
     # ------------------------------------------------------------------------------------------------ the step
     @override
@@ -344,7 +344,7 @@ class DeepSpeedPureBF16FabricStrategy(core.LightningFrontEnd, DeepSpeedStrategy)
     @staticmethod
     def _is_engine_or_optimizer(value: Any, engine: Any) -> bool:
         inner = _internals.fabric_unwrap(value)
-        return inner is engine or inner is engine.optimizer or inner is core.inner_optimizer(engine)
+        return inner is engine or inner is engine.optimizer or inner is zero3_engine.inner_optimizer(engine)
 
 
 # The strategy is named in Lightning's registry as soon as it is defined (the package imports this module when

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16 import _internals, presets
 from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.adoption import adopt_optimizer, rebind_scheduler
 from lightning_pure_bf16.data import prepare_dataloader
@@ -164,7 +164,7 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        core.register_presets(strategy_registry, cls, PRESETS)
+        presets.register_presets(strategy_registry, cls, PRESETS)
 
     @property
     def optimizer_options(self) -> OptimizerOptions:
@@ -181,7 +181,7 @@ class FSDP2PureBF16Strategy(ModelParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = core.translate_precision(
+        self._precision_plugin = presets.translate_precision(
             precision_plugin,
             pure_cls=FSDP2PureBF16Precision,
             flag_classes=(HalfPrecision, Precision),

@@ -29,7 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16 import _internals, core, presets, zero3_engine
 from lightning_pure_bf16 import precision as pure_precision  # a module: Lightning's import may begin inside it
 from lightning_pure_bf16._log import rank_zero_info
 from lightning_pure_bf16.adoption import adopt_for_zero3
@@ -181,7 +181,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = core.translate_precision(
+        self._precision_plugin = presets.translate_precision(
             precision_plugin,
             pure_cls=pure_precision.PureBF16Precision,
             flag_classes=(DeepSpeedPrecision, Precision),
@@ -192,7 +192,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     # ---------------------------------------------------------------------------------------- environment (CPU too)
     @override
     def setup_environment(self) -> None:
-        core.set_up_environment(
+        presets.set_up_environment(
             self,
             self.precision_plugin,
             DDPStrategy.setup_environment,
@@ -204,7 +204,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     @override
     def setup_distributed(self) -> None:
         assert self.parallel_devices is not None
-        with core.process_group_destroyed_at_exit():
+        with zero3_engine.process_group_destroyed_at_exit():
             if isinstance(self.accelerator, CUDAAccelerator):
                 super().setup_distributed()
                 return
@@ -225,7 +225,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[Any, Optimizer]:
-        engine, ds_optimizer, _ = core.initialize_engine(
+        engine, ds_optimizer, _ = zero3_engine.initialize_engine(
             self.config, model, optimizer, lr_scheduler, self._device_rank(), self.settings
         )
         return engine, ds_optimizer
@@ -255,7 +255,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
 
     def _device_rank(self) -> int:
         # DeepSpeed compares the device rank with 0; CPU devices have no index, so pass the local rank.
-        return core.device_rank(self.root_device, self.local_rank)
+        return zero3_engine.device_rank(self.root_device, self.local_rank)
 
     # ------------------------------------------------------------------------------------------ optimizer adoption
     @override
@@ -349,7 +349,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        run = core.engine_run(self.deepspeed_engine)
+        run = zero3_engine.engine_run(self.deepspeed_engine)
         if run is not None:
             run.log_peak_memory()
 

@@ -194,7 +194,7 @@ def test_the_engines_own_load_checkpoint_reads_as_trusted_only_where_initialize_
 
     seen = {}
     monkeypatch.setattr(pure_bf16, "load_checkpoint", lambda engine, path, **kw: seen.update(kw) or {"step": 3})
-    monkeypatch.setattr(pure_bf16.core, "is_checkpoint", lambda path: True)
+    monkeypatch.setattr(pure_bf16.checkpoint, "is_checkpoint", lambda path: True)
     engine = type("Engine", (), {})()
     pure_bf16._route_checkpoint_methods(engine, trust_checkpoint=trust)
     path, client_state = engine.load_checkpoint(tmp_path)

@@ -30,7 +30,7 @@ def test_every_preset_is_registered_for_fabric():
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     import lightning_pure_bf16
-    from lightning_pure_bf16.core import PRESETS
+    from lightning_pure_bf16.presets import PRESETS
 
     for name in PRESETS:
         assert STRATEGY_REGISTRY[name]["strategy"] is lightning_pure_bf16.DeepSpeedPureBF16FabricStrategy, name

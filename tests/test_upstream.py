@@ -388,8 +388,9 @@ def test_gloo_collectives_installed_once_on_deepspeeds_backend(monkeypatch):
 
 
 def test_a_resume_reads_deepspeeds_files_through_the_given_reader_and_puts_its_own_back(tmp_path):
-    # core.load_checkpoint reads a same-layout checkpoint through DeepSpeed's engine with every file memory-mapped
-    # and weights-only (safe_load.load_state_file): the engine's reader is replaced for the load, and only for it.
+    # engine_checkpoints.load_checkpoint reads a same-layout checkpoint through DeepSpeed's engine, every file
+    # memory-mapped and weights-only (safe_load.load_state_file): the engine's reader is replaced for the load, and
+    # only for it.
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     from lightning_pure_bf16._internals import deepspeed_checkpoint_reads

@@ -131,7 +131,8 @@ deepspeed.runtime.engine:DeepSpeedEngine
     skipped_steps | attribute | steps ZeRO-3 skipped on inf/NaN
     global_steps | attribute | restored by a repartitioning load
     global_samples | attribute | restored by a repartitioning load
-    checkpoint_engine | attribute | its file reader, given memory-mapped reads for a resume (core.load_checkpoint)
+    checkpoint_engine | attribute | its file reader, given memory-mapped reads for a resume
+        (engine_checkpoints.load_checkpoint)
     self.checkpoint_engine.load( | marker | every file a resume reads goes through the checkpoint engine's load
 deepspeed.accelerator
     set_accelerator | function(accel_obj) | CPU fits on a GPU host

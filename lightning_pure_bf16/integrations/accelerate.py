@@ -29,7 +29,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import DeepSpeedPlugin
 
-from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16 import _internals, zero3_engine
 from lightning_pure_bf16 import deepspeed as pure_bf16_deepspeed
 
 WHO = "PureBF16Accelerator"
@@ -75,7 +75,7 @@ class PureBF16Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         # The process group Accelerate created is destroyed at exit if still alive (else a finished run could abort
         # there, exit 134).
-        core.destroy_process_group_at_exit()
+        zero3_engine.destroy_process_group_at_exit()
         if self.state.deepspeed_plugin is None:
             raise ValueError(f"`{WHO}` trains through DeepSpeed ZeRO-3, but Accelerate was set up without DeepSpeed.")
         self.pure_bf16_options = options

@@ -32,7 +32,7 @@ from typing import Any
 
 import transformers
 
-from lightning_pure_bf16 import _internals, core
+from lightning_pure_bf16 import _internals, zero3_engine
 from lightning_pure_bf16 import deepspeed as pure_bf16_deepspeed
 from lightning_pure_bf16.adoption import rebind_scheduler
 from lightning_pure_bf16.pretrained import partition_sources, save_pretrained
@@ -109,7 +109,7 @@ class PureBF16TrainerMixin:
         super().__init__(*args, **kwargs)
         # The process group TrainingArguments created is destroyed at exit if still alive (else a finished run could
         # abort there, exit 134).
-        core.destroy_process_group_at_exit()
+        zero3_engine.destroy_process_group_at_exit()
         # The Trainer's DeepSpeed set-up drops what `optimizers=` gave: kept here, used by create_optimizer/scheduler.
         self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
 

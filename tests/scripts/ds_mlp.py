@@ -147,9 +147,9 @@ def one_run(rank: int, out: Path, opts: dict) -> None:
 
 
 def _release(engine):  # noqa: ANN001, ANN202
-    from lightning_pure_bf16 import core
+    from lightning_pure_bf16 import zero3_engine
 
-    return core.gradient_release(engine)
+    return zero3_engine.gradient_release(engine)
 
 
 def _positions(engine):  # noqa: ANN001, ANN202
