@@ -107,6 +107,9 @@ def launches(tmp_path_factory):
             _resave(out / "two", f"{kind}_to2", out / "one" / f"{kind}_to1" / "resaved", 4, optimizer=kind)
             for kind in FAMILY
         ),
+        _resave(
+            out / "two", "adafactor_to2", out / "two" / "torch_adafactor" / "final", 4, optimizer="torch_adafactor"
+        ),
         {"name": "another_model", "steps": 9, "ckpt_path": str(step_8), "hidden": 32, "expect_error": True},
     ]
     fit_runs(out / "two", runs, devices=2, **RUN)
@@ -184,6 +187,27 @@ def test_sgd_lion_and_muon_checkpoints_resume_at_another_world_size(launches, ki
                     assert ((a - b).abs() <= 2 * level + a.abs() * 2**-7).all(), name  # two hops
                 else:
                     assert a.dtype == torch.bfloat16 and torch.equal(a, b), (name, key)
+
+
+def test_adafactor_checkpoints_resume_at_the_saved_world_size_with_their_statistics(launches):
+    """torch.optim.Adafactor converted (Kahan, as the strategy says), 2 ranks saved and loaded on 2 ranks: the
+    weights, the Kahan remainder, the step and every rank's float32 row and column statistics exactly."""
+    src, hop = launches / "two" / "torch_adafactor" / "final", launches / "two" / "adafactor_to2" / "resaved"
+    wa, wb = consolidate_checkpoint(src), consolidate_checkpoint(hop)
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa, ob = consolidate_optimizer_state(src), consolidate_optimizer_state(hop)
+    for name in oa:
+        assert set(oa[name]) == set(ob[name]) == {"kahan_comp", "step"}, name
+        assert all(torch.equal(oa[name][k], ob[name][k]) for k in oa[name]), name
+    a, b = ZeroCheckpoint(src / "checkpoint"), ZeroCheckpoint(hop / "checkpoint")
+    assert a.holds_statistics()
+    for rank in range(2):
+        for sub_group in range(len(a.sub_groups)):
+            sa = a._inner_state(rank, sub_group)["statistics"]
+            sb = b._inner_state(rank, sub_group)["statistics"]
+            assert set(sa) == {"row_var", "col_var", "variance"}
+            assert all(sa[k].dtype == torch.float32 and torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(a._inner_state(0, s)["statistics"]["row_var"].abs().sum() > 0 for s in range(len(a.sub_groups)))
 
 
 def test_adafactor_checkpoints_are_refused_at_another_world_size_before_anything_is_loaded(launches):

@@ -289,12 +289,13 @@ def test_muon_with_adamw_groups_computes_torchs_muon_and_adamw_together():
 
 
 def test_muon_steps_its_adamw_groups_as_adamw():
-    """A group with ``use_muon=False`` is AdamW with DeepSpeed's MuonWithAuxAdam defaults (betas (0.9, 0.95), eps
-    1e-10): bit for bit this package's AdamW on the same tensors."""
+    """A group with ``use_muon=False`` (or ``algorithm="adamw"``) is AdamW with DeepSpeed's MuonWithAuxAdam defaults
+    (betas (0.9, 0.95), eps 1e-10): bit for bit this package's AdamW on the same tensors."""
     from lightning_pure_bf16 import AdamW
 
     init = _init([(7,), (5, 3)], torch.bfloat16)
-    a, opt = _run(Muon, init, [{"use_muon": False, "lr": 1e-3}, {"use_muon": False, "weight_decay": 0.0}], 4, seed=2)
+    groups = [{"use_muon": False, "lr": 1e-3}, {"algorithm": "adamw", "weight_decay": 0.0}]
+    a, opt = _run(Muon, init, groups, 4, seed=2)
     b, _ = _run(
         AdamW,
         init,
@@ -313,6 +314,8 @@ def test_muon_steps_its_adamw_groups_as_adamw():
     [
         (lambda p: Muon([p[0]]), "Muon steps matrices only"),
         (lambda p: Muon([p[1]], ns_steps=100), "ns_steps"),
+        (lambda p: Muon([{"params": [p[0]], "algorithm": "lion"}]), "algorithm"),
+        (lambda p: Muon([{"params": [p[0]], "algorithm": "adamw", "use_muon": True}]), "give one of them"),
         (lambda p: Muon([p[1]], adjust_lr_fn="spectral"), "adjust_lr_fn"),
         (lambda p: Muon([p[1]], moments="int8"), "moments"),
         (lambda p: Adafactor(p, beta2_decay=0.5), "beta2_decay"),

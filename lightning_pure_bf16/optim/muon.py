@@ -38,9 +38,10 @@ class Muon(PureBF16Optimizer):
     ``use_muon=False``.
 
     Args:
-        params: parameters or parameter groups. A group's ``use_muon`` (default ``True``) says whether its
-            parameters are matrices stepped by Muon (``lr``, ``weight_decay``, ``momentum``, ``nesterov``,
-            ``ns_coefficients``, ``eps``, ``ns_steps``, ``adjust_lr_fn``) or anything stepped by AdamW (``lr``,
+        params: parameters or parameter groups. A group's ``use_muon`` (default ``True``; or ``algorithm``,
+            ``"muon"`` or ``"adamw"``) says whether its parameters are matrices stepped by Muon (``lr``,
+            ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``, ``ns_steps``,
+            ``adjust_lr_fn``) or anything stepped by AdamW (``lr``,
             ``betas`` (default ``(0.9, 0.95)``), ``eps`` (default ``1e-10``), ``weight_decay``): embeddings, the
             output layer, biases and norms, which Muon is not for.
         lr: learning rate (default: ``1e-3``).
@@ -95,6 +96,19 @@ class Muon(PureBF16Optimizer):
         super().__init__(params, defaults, **options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "algorithm" in param_group:
+            # {"algorithm": "adamw"} says what use_muon=False says, in words.
+            algorithm = param_group["algorithm"]
+            check_choice(type(self).__name__, "algorithm", algorithm, ("muon", "adamw"))
+            if "use_muon" in param_group and param_group["use_muon"] != (algorithm == "muon"):
+                raise ValueError(
+                    f"`{type(self).__name__}`: a group says algorithm={algorithm!r} and"
+                    f" use_muon={param_group['use_muon']!r}; give one of them."
+                )
+            param_group = {
+                **{k: v for k, v in param_group.items() if k != "algorithm"},
+                "use_muon": algorithm == "muon",
+            }
         if isinstance(param_group, dict) and not param_group.get("use_muon", True):
             param_group = {**AUX_ADAMW_DEFAULTS, **param_group}
         super().add_param_group(param_group)
@@ -129,8 +143,8 @@ class Muon(PureBF16Optimizer):
             if len(q.shape) != 2:
                 raise ValueError(
                     f"`{who}`: a parameter {q.name + ' ' if q.name else ''}of shape {q.shape} is in a Muon group; Muon"
-                    " steps matrices only. Put it in a group with `use_muon=False` (stepped by AdamW), as embeddings,"
-                    " the output layer, biases and norms usually are."
+                    " steps matrices only. Put it in a group with `use_muon=False` or `algorithm='adamw'` (stepped by"
+                    " AdamW), as embeddings, the output layer, biases and norms usually are."
                 )
 
     def state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
