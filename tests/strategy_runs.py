@@ -100,6 +100,19 @@ def load_ranks(out: Path, world_size: int = 2) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+def assert_same_partitions(a: dict, b: dict, keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "kahan_comp")) -> None:
+    """Two launched fits' results for one rank hold the same bits in every element of every flat parameter partition
+    and of every per-element state in ``keys`` that ``a`` holds (the padding ZeRO-3 leaves uninitialised aside), and
+    the same step counts. The one bit-for-bit comparison of the tests that resume, convert or repeat a fit."""
+    for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"], strict=True):
+        assert torch.equal(x[real], y[real])
+    for sa, sb, real in zip(a["state"].values(), b["state"].values(), a["real_masks"], strict=True):
+        if "step" in sa:
+            assert torch.equal(sa["step"], sb["step"])
+        for key in (k for k in keys if k in sa):
+            assert torch.equal(sa[key][real], sb[key][real]), key
+
+
 def state_buffers(result: dict) -> list[tuple[str, torch.dtype, int]]:
     """The model-state buffers among every tensor a launched fit found reachable from DeepSpeed's ZeRO-3 optimizer
     (``result["zero_buffers"]``: name, dtype, bytes, in a state file), by storage: scalars (step counters, the norm,

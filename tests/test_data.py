@@ -10,7 +10,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _get_distributed
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_pure_bf16.data import distributed_sampler_by_seed, resume_dataloader
-from tests.strategy_runs import fit_runs, load_ranks
+from tests.strategy_runs import assert_same_partitions, fit_runs, load_ranks
 
 # 256 samples, batch 16, 2 ranks: 8 steps per epoch. A checkpoint at step 12 is in the middle of the second epoch (the
 # sampler's epoch matters), and the run goes on across the next epoch boundary (step 16).
@@ -29,12 +29,7 @@ def _assert_same_run_from(whole: list[dict], resumed: list[dict], step: int) -> 
     for a, b in zip(whole, resumed):
         assert b["first_inputs"] == a["first_inputs"][step:]  # the same batches, in the same order
         assert b["losses"] == a["losses"][step:]
-        for x, y, real in zip(a["flat_params"], b["flat_params"], a["real_masks"]):
-            assert torch.equal(x[real], y[real])
-        for sa, sb, real in zip(a["state"].values(), b["state"].values(), a["real_masks"]):
-            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
-                if key in sa:
-                    assert torch.equal(sa[key][real], sb[key][real]), key
+        assert_same_partitions(a, b)
 
 
 LOADERS = {"DataLoader": False, "StatefulDataLoader": True}
