@@ -57,12 +57,6 @@ class Adafactor(PureBF16Optimizer):
         weight_decay: float = 0.0,
         **options: Any,
     ) -> None:
-        for option, kept in (("state_storage", "memory"), ("moments", "bf16")):
-            if options.get(option, kept) != kept:
-                raise ValueError(
-                    f"`Adafactor({option}={options[option]!r})`: Adafactor keeps no per-element moment (its"
-                    f" statistics are O(rows + columns) and stay in memory); leave `{option}` at {kept!r}."
-                )
         defaults = {"lr": lr, "beta2_decay": beta2_decay, "eps": eps, "d": d, "weight_decay": weight_decay}
         super().__init__(params, defaults, **options)
 

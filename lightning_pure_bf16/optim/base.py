@@ -146,6 +146,13 @@ class PureBF16Optimizer(Optimizer):
     ) -> None:
         name = type(self).__name__
         check_torch_arguments(name, unsupported, foreach=foreach, fused=fused)
+        for option, given, kept in (("state_storage", state_storage, "memory"), ("moments", moments, "bf16")):
+            if self.whole_parameter and given != kept:
+                raise ValueError(
+                    f"`{name}({option}={given!r})` is not available: {name}'s update needs whole parameters, and"
+                    f" its states stay in memory, in bf16 (Adafactor keeps none per element). Leave `{option}` at"
+                    f" {kept!r}."
+                )
         check_power_of_two(name, "chunk_size", chunk_size)
         if backend == "triton" and not functional.triton_available():
             functional.update_function("triton")  # says what is missing

@@ -76,12 +76,6 @@ class Muon(PureBF16Optimizer):
         adjust_lr_fn: str | None = None,
         **options: Any,
     ) -> None:
-        for option, kept in (("state_storage", "memory"), ("moments", "bf16")):
-            if options.get(option, kept) != kept:
-                raise ValueError(
-                    f"`Muon({option}={options[option]!r})` is not available yet: Muon's momentum is orthogonalized"
-                    f" as a whole matrix, in memory and bf16. Leave `{option}` at {kept!r}."
-                )
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
