@@ -245,11 +245,20 @@ def _check_training_args(args: Any, who: str = WHO) -> None:
     if not args.bf16:
         raise ValueError(f"`{who}` keeps everything in bf16: pass `TrainingArguments(bf16=True)`.")
     optim = str(getattr(args.optim, "value", args.optim))
+    if optim == "adafactor":
+        # transformers' Adafactor is another rule than torch.optim.Adafactor's (the Trainer turns its relative step
+        # and parameter scaling off, so its step is lr itself): converting it would change the algorithm silently.
+        raise ValueError(
+            f"`{who}`: `TrainingArguments(optim='adafactor')` is transformers' own Adafactor (relative_step and"
+            " scale_parameter off, clip_threshold, beta1), which is not torch.optim.Adafactor's rule; this package's"
+            " Adafactor has torch's. Pass it as `optimizers=(lightning_pure_bf16.Adafactor(model.parameters(),"
+            " lr=...), None)`, or use `optim='adamw_torch'`."
+        )
     if optim not in ADOPTED_OPTIMS:
         raise ValueError(
             f"`{who}` trains with this package's AdamW or SGD, but `TrainingArguments(optim={optim!r})` asks for an"
             f" optimizer it cannot convert. Use one of {list(ADOPTED_OPTIMS)} (the default is 'adamw_torch'), or"
-            " pass this package's optimizer (`Lion`, for one) as `optimizers=(optimizer, None)`."
+            " pass this package's optimizer (`Lion`, `Adafactor` or `Muon`) as `optimizers=(optimizer, None)`."
         )
 
 
