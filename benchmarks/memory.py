@@ -137,7 +137,7 @@ def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
         zero3_master_partitions,
         zero3_param_partitions,
     )
-    from lightning_pure_bf16.memory import CATEGORIES, state_category
+    from lightning_pure_bf16.memory import CATEGORIES, state_tensors
 
     found: dict[str, set[str]] = {"param": set(), "grad": set(), "master": set()}
     params = zero3_param_partitions(zero_optimizer)
@@ -150,12 +150,10 @@ def zero3_state_dtypes(zero_optimizer: Any) -> dict[str, str]:
         str(t.dtype).removeprefix("torch.") for t in zero3_master_partitions(zero_optimizer) if t.data_ptr() not in ptrs
     }
     for state in zero3_inner_optimizer(zero_optimizer).state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0:
-                category = state_category(key)
-                found.setdefault(category if category in CATEGORIES else "other_state", set()).add(
-                    str(value.dtype).removeprefix("torch.")
-                )
+        for category, value in state_tensors(state):
+            found.setdefault(category if category in CATEGORIES else "other_state", set()).add(
+                str(value.dtype).removeprefix("torch.")
+            )
     return {k: ", ".join(sorted(v)) for k, v in found.items() if v}
 
 

@@ -96,7 +96,7 @@ def state_category(key: str) -> str:
     return key.removesuffix(scale_key("")) if is_scale_key(key) else key
 
 
-def _state_tensors(state: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def state_tensors(state: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(category, tensor)`` for every tensor of one parameter's optimizer state but its counters: the per-element
     states, their block scales, and an algorithm's statistics (Adafactor's rows and columns, ``statistics``)."""
     for key, value in state.items():
@@ -153,7 +153,7 @@ def zero3_model_state_report(zero_optimizer: Any, module: torch.nn.Module | None
     )
     in_files = 0
     for state in zero3_inner_optimizer(zero_optimizer).state.values():
-        for category, value in _state_tensors(state):
+        for category, value in state_tensors(state):
             if is_file_backed(value):
                 in_files += _nbytes(value)
             else:
@@ -204,7 +204,7 @@ def sharded_model_state_report(
                 nbytes["grad"] += _nbytes(grad)
             elif not gradients_released:
                 nbytes["grad"] += shard.numel() * shard.element_size()
-            for category, value in _state_tensors(optimizer.state.get(p, {})):
+            for category, value in state_tensors(optimizer.state.get(p, {})):
                 nbytes[category if category in nbytes else "other_state"] += _nbytes(local(value))
     frozen = [local(p) for p in (module.parameters() if module is not None else ()) if id(p) not in trainable]
     return _per_parameter(nbytes, n, 0, frozen)
@@ -344,6 +344,7 @@ def format_report(report: dict[str, float]) -> str:
 __all__ = [
     "state_category",
     "CATEGORIES",
+    "state_tensors",
     "FROZEN_BYTES",
     "MODEL_STATE_BYTES",
     "STATE_FILE_BYTES",
