@@ -241,10 +241,9 @@ class PureBF16Optimizer(Optimizer):
 
     def set_pieces(self, p: torch.Tensor, pieces: Pieces, group: dict[str, Any] | None = None) -> None:
         """Say what the tensor ``p`` holds of the model's parameters (a ZeRO-3 flat partition holds a run of each
-        parameter of its sub-group; :mod:`~lightning_pure_bf16.optim.pieces`; ``group``: its param group, when it is not
-        in one now), before its state exists. Only the
-        algorithms whose update needs whole parameters (:attr:`whole_parameter`) read it; a plain tensor or DTensor
-        describes itself.
+        parameter of its sub-group; :mod:`~lightning_pure_bf16.optim.pieces`), before its state exists; ``group`` is
+        its param group when it is not in one now. Only the algorithms whose update needs whole parameters
+        (:attr:`whole_parameter`) read it; a plain tensor or DTensor describes itself.
 
         Raises:
             ValueError: the pieces do not fit in ``p``, or the algorithm cannot step one of them.
