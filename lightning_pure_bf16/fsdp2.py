@@ -64,15 +64,28 @@ class FSDP2PureBF16Precision(HalfPrecision):
     """``precision="bf16-true"``: bf16 parameters, inputs cast to bf16; the only precision of the FSDP2 strategy.
 
     Clipping by norm (``Trainer(gradient_clip_val=...)``) computes the gradients' global norm and the clip factor as
-    ``torch.nn.utils.clip_grad_norm_`` does, and hands the factor to this package's optimizer
-    (:attr:`~lightning_pure_bf16.AdamW.grad_scale`), which applies it in float32 inside its update, instead of a pass
-    that multiplies every gradient in place (and rounds it to bf16); the norm being finite, the step skips its own
-    inf/NaN check (:attr:`~lightning_pure_bf16.AdamW.grads_finite`). A non-finite norm, or another optimizer, takes
-    torch's own clipping (and the step its check, which then skips it).
+    ``torch.nn.utils.clip_grad_norm_`` does, and hands the factor to this package's optimizer as the step's argument
+    (``step(grad_scale=...)``), which applies it in float32 inside its update, instead of a pass that multiplies every
+    gradient in place (and rounds it to bf16); the norm being finite, the step skips its own inf/NaN check
+    (``step(grads_finite=True)``). A non-finite norm, or another optimizer, takes torch's own clipping (and the step
+    its check, which then skips it). For that, this package's optimizer is stepped after the closure (the backward,
+    the ``on_before_optimizer_step`` hooks, the clipping), as Lightning's mixed precision steps through its scaler.
     """
 
     def __init__(self) -> None:
         super().__init__("bf16-true")
+        # What clip_grad_by_norm established for the step that follows it: the factor and the finite word.
+        self._clipped: dict[int, tuple[float, bool]] = {}
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        if not isinstance(optimizer, PureBF16Optimizer):
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        self._clipped.pop(id(optimizer), None)
+        loss = _internals.lightning_run_closure(self, model, optimizer, closure)
+        grad_scale, grads_finite = self._clipped.pop(id(optimizer), (1.0, False))
+        optimizer.step(grad_scale=grad_scale, grads_finite=grads_finite, **kwargs)
+        return loss
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
@@ -90,7 +103,12 @@ class FSDP2PureBF16Precision(HalfPrecision):
             torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
             return
         # A finite global norm: every gradient on every rank is finite, so the step need not check them again.
-        optimizer.grad_scale, optimizer.grads_finite = factor, True
+        self._clipped[id(optimizer)] = (factor, True)
+
+    def clipped(self, optimizer: Any) -> tuple[float, bool]:
+        """The clip factor and the finite word :meth:`clip_grad_by_norm` established for ``optimizer``'s next step
+        (``(1.0, False)``: none)."""
+        return self._clipped.get(id(optimizer), (1.0, False))
 
 
 class FSDP2PureBF16Strategy(ModelParallelStrategy):

@@ -181,9 +181,7 @@ def after_engine_setup(
         release = GradientRelease(engine.optimizer, strategy_name)
     else:
         _internals.view_sub_group_gradients(engine.optimizer)
-        _internals.fold_gradient_scale(
-            engine.optimizer, lambda factor: setattr(inner_optimizer(engine), "grad_scale", factor)
-        )
+        _internals.fold_gradient_scale(engine.optimizer)
         collectives.gradient_norm_in_one_pass(engine.optimizer)
     report = memory_report(engine)
     rank_zero_info(f"{strategy_name}: model state per parameter on each rank: " + format_report(report))

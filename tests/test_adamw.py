@@ -53,9 +53,17 @@ def test_the_step_leaves_the_gradients_as_they_were(opt_cls, dtype, backend):
     params, opt = _run(opt_cls, _params(dtype), 1, GROUPS, backend=backend)
     for p, g in zip(params, _grads(params, 0)):
         assert torch.equal(p.grad, g.to(dtype))
-    opt.grad_scale = 0.5  # a clip factor is applied inside the update, not to the gradient either
-    opt.step()
+    opt.step(grad_scale=0.5)  # a clip factor is applied inside the update, not to the gradient either
     assert all(torch.equal(p.grad, g.to(dtype)) for p, g in zip(params, _grads(params, 0)))
+
+
+@pytest.mark.parametrize("name", ["grad_scale", "grads_finite"])
+def test_the_former_one_step_attributes_say_they_are_arguments_of_the_step(name):
+    # Setting one used to apply to the next step; now it would do nothing, so it is refused with what to call.
+    params, opt = _run(AdamW, _params(torch.bfloat16), 1, GROUPS)
+    with pytest.raises(AttributeError, match=rf"AdamW.{name}` is an argument of the step.*step\({name}=\.\.\.\)"):
+        setattr(opt, name, 0.5)
+    assert not hasattr(opt, name)
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])

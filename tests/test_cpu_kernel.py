@@ -17,10 +17,9 @@ def _run(opt_cls, shape, rounding, backend, steps=3, grad_scale=1.0, **kw):
     init = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16)
     p = init.clone().requires_grad_()
     opt = opt_cls([p], lr=1e-2, weight_decay=0.05, rounding=rounding, seed=11, backend=backend, **kw)
-    opt.grad_scale = grad_scale
     for t in range(steps):
         p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-        opt.step()
+        opt.step(grad_scale=grad_scale if t == 0 else 1.0)
     return [p.detach(), *(v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.ndim)]
 
 
@@ -99,9 +98,8 @@ def test_a_bad_gradient_factor_is_refused_before_anything_changes(bad):
     p = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)
     opt = AdamW([p], lr=1e-2)
     p.grad = torch.ones_like(p)
-    opt.grad_scale = bad
-    with pytest.raises(ValueError, match="AdamW.grad_scale`: grad_scale=.*finite number > 0"):
-        opt.step()
+    with pytest.raises(ValueError, match=r"AdamW.step\(grad_scale=...\)`: grad_scale=.*finite number > 0"):
+        opt.step(grad_scale=bad)
     assert not opt.state and torch.equal(p.detach(), torch.ones(8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="adamw.*grad_scale=.*finite number > 0"):
         adamw(p.detach(), p.grad, torch.zeros_like(p), torch.zeros_like(p), step=1, grad_scale=bad)

@@ -152,7 +152,7 @@ def test_the_trainer_strategys_clipping_reaches_the_update_as_a_factor(fits):
     no_clip = torch.load(fits / LIGHTNING[0] / "rank0.pt", weights_only=False)["whole"]
     for rank in ranks:
         assert len(rank["factors"]) == len(rank["losses"]) and all(0 < f < 1 for f in rank["factors"])
-        assert rank["after"] == 1.0
+        assert rank["stepped"] == [(f, True) for f in rank["factors"]]  # each step given its factor, unchecked
     assert ranks[0]["factors"] == ranks[1]["factors"]
     name = next(iter(no_clip["params"]))
     assert not torch.equal(ranks[0]["params"][name], no_clip["params"][name])
@@ -268,20 +268,21 @@ def test_the_fsdp2_strategys_clipping_hands_its_factor_to_the_update(tmp_path):
         params, opt = model(AdamW, seed=3)
         precision.clip_gradients(opt, clip_val=0.1)
         norm = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in grads]))
-        assert opt.grad_scale == pytest.approx(0.1 / (float(norm) + 1e-6), rel=1e-3)
+        factor, finite = precision.clipped(opt)
+        assert factor == pytest.approx(0.1 / (float(norm) + 1e-6), rel=1e-3)
         assert all(torch.equal(p.grad.to_local(), g) for p, g in zip(params, grads))  # not scaled in place
-        factor = opt.grad_scale
-        assert opt.grads_finite  # the norm is finite: the step skips its own pass over the gradients
+        assert finite  # the norm is finite: the step skips its own pass over the gradients
 
         def no_check():
             raise AssertionError("the step checked the gradients for inf/NaN again")
 
         opt.nonfinite_grads = no_check
-        opt.step()
-        assert opt.grad_scale == 1.0 and not opt.grads_finite
+        # Lightning's closure: the backward, the hooks, then the clipping (here the clipping alone: no Trainer).
+        precision._after_closure = lambda model, optimizer: precision.clip_gradients(optimizer, clip_val=0.1)
+        precision.optimizer_step(opt, None, lambda: None)
+        assert precision.clipped(opt) == (1.0, False)  # the step took what the clipping established
         reference, ref_opt = model(AdamW, seed=3)
-        ref_opt.grad_scale = factor
-        ref_opt.step()
+        ref_opt.step(grad_scale=factor)
         assert all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, reference))
 
         params, sgd = model(torch.optim.SGD)
@@ -290,7 +291,7 @@ def test_the_fsdp2_strategys_clipping_hands_its_factor_to_the_update(tmp_path):
         params, opt = model(AdamW, seed=3)
         params[1].grad.to_local()[0, 0] = float("nan")
         precision.clip_gradients(opt, clip_val=0.1)
-        assert opt.grad_scale == 1.0 and not opt.grads_finite and params[0].grad.to_local().isnan().all()
+        assert precision.clipped(opt) == (1.0, False) and params[0].grad.to_local().isnan().all()
         opt.step()  # checked, and skipped
         assert opt.skipped_steps == 1
     finally:

@@ -207,25 +207,44 @@ def test_only_the_upstream_module_imports_private_upstream_names(tmp_path):
 @pytest.mark.parametrize(("clip", "norm"), [(0.0, 8.0), (1.0, 0.5), (1.0, 4.0)], ids=["off", "within", "clipped"])
 def test_zero3_hands_its_gradient_factor_to_the_update_instead_of_scaling_the_gradient(clip, norm):
     # ZeRO-3's own method on a stand-in holding what it reads multiplies the bf16 gradient in place; wrapped, the
-    # gradient is left as it is (its version counter does not move) and the update gets the factor: the same float32
-    # value, since its product with the widened gradient, rounded to bf16, is ZeRO-3's gradient bit for bit.
+    # gradient is left as it is (its version counter does not move) and the sub-group's update passes the factor to
+    # the optimizer's step, with the master partition in its param group: the same float32 value, since its product
+    # with the widened gradient, rounded to bf16, is ZeRO-3's gradient bit for bit.
     import types
 
     import torch
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+    class Recorder:
+        def __init__(self):
+            self.param_groups, self.steps = [{"params": []}, {"params": []}], []
+
+        def step(self, **kwargs):
+            self.steps.append((kwargs, list(self.param_groups[1]["params"])))
+
     grad = torch.randn(4096, generator=torch.Generator().manual_seed(0)).bfloat16()
     master = torch.zeros(4096, dtype=torch.bfloat16)
-    zero = types.SimpleNamespace(loss_scale=1.0, clip_grad=clip, fp32_partitioned_groups_flat=[master])
+    zero = types.SimpleNamespace(
+        loss_scale=1.0,
+        clip_grad=clip,
+        fp32_partitioned_groups_flat=[master],
+        sub_group_to_group_id={0: 1},
+        optimizer=Recorder(),
+    )
     zero.unscale_and_clip_grads = types.MethodType(DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads, zero)
+    zero._optimizer_step = types.MethodType(DeepSpeedZeroOptimizer_Stage3._optimizer_step, zero)
     master.grad = deepspeeds = grad.clone()
     zero.unscale_and_clip_grads(0, torch.tensor(norm))
-    master.grad, version, factors = grad, grad._version, []
-    _internals.fold_gradient_scale(zero, factors.append)
+    master.grad, version = grad, grad._version
+    _internals.fold_gradient_scale(zero)
     zero.unscale_and_clip_grads(0, torch.tensor(norm))
-    assert grad._version == version and len(factors) == 1
-    assert factors[0] == (1.0 if norm <= clip or not clip else pytest.approx(clip / (norm + 1e-6), rel=1e-6))
-    assert torch.equal((grad.float() * torch.tensor(factors[0])).bfloat16(), deepspeeds)
+    zero._optimizer_step(0)
+    assert grad._version == version and len(zero.optimizer.steps) == 1
+    (kwargs, stepped), factor = zero.optimizer.steps[0], zero.optimizer.steps[0][0]["grad_scale"]
+    assert set(kwargs) == {"grad_scale"} and len(stepped) == 1 and stepped[0] is master
+    assert zero.optimizer.param_groups[1]["params"] == []
+    assert factor == (1.0 if norm <= clip or not clip else pytest.approx(clip / (norm + 1e-6), rel=1e-6))
+    assert torch.equal((grad.float() * torch.tensor(factor)).bfloat16(), deepspeeds)
 
 
 def test_the_gradient_norm_reads_each_gradient_once_and_gives_deepspeeds_norm(monkeypatch):

@@ -107,6 +107,8 @@ deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3
     clip_grad | attribute | the norm ZeRO-3 clips to in its step (Fabric's clip_gradients)
     unscale_and_clip_grads | method(self, sub_group_id, total_norm) | replaced per engine: its factor handed to the
         update instead of a pass over the gradient (fold_gradient_scale; its factor: COPIED_UPSTREAM)
+    _optimizer_step | method(self, sub_group_id) | replaced per engine: the sub-group's update, given the factor as
+        the step's argument (fold_gradient_scale; its non-offload path: COPIED_UPSTREAM)
     checkpoint_event_prologue | method(self) | partition every parameter before a load
     checkpoint_event_epilogue | method(self) | re-gather persistent parameters after a load
     _setup_for_real_optimizer | method(self) | wrapped: no gradient buffers under release
@@ -174,6 +176,9 @@ lightning.fabric.strategies.deepspeed:DeepSpeedStrategy
     _backward_sync_control | attribute | replaced: no_backward_sync under ZeRO-3
 lightning.fabric.strategies.strategy:Strategy
     _precision | attribute | the precision the strategy sets
+lightning.pytorch.plugins.precision.precision:Precision
+    _wrap_closure | method(self, model, optimizer, closure) | the FSDP2 precision runs Lightning's closure (backward,
+        hooks, clipping) itself, then steps this package's optimizer with the clip factor as an argument
 lightning.pytorch.strategies.strategy:Strategy
     _precision_plugin | attribute | the storage of the precision plugin property the strategy overrides
 lightning.pytorch.strategies.model_parallel:ModelParallelStrategy
@@ -279,6 +284,10 @@ COPIED_UPSTREAM: dict[str, dict[str, Any]] = {
     f"{_STAGE3}.unscale_and_clip_grads": {
         "ours": "_internals.fold_gradient_scale (its factor, computed the same way, applied inside the update)",
         "tested": {"deepspeed 0.19.8": "3ada6cbf6909016f"},
+    },
+    f"{_STAGE3}._optimizer_step": {
+        "ours": "_internals.fold_gradient_scale (the non-offload path, the step given the clip factor)",
+        "tested": {"deepspeed 0.19.8": "9decd7e8d6d9312c"},
     },
     f"{_STAGE3}.step": {
         "ours": "_internals.step_without_update (gradient release: its bookkeeping without the update)",

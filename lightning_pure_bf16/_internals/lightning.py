@@ -20,6 +20,12 @@ def lightning_remove_module_hooks(model: torch.nn.Module) -> None:
     remove_module_hooks(model)
 
 
+def lightning_run_closure(precision: Any, model: Any, optimizer: Any, closure: Any) -> Any:
+    """Lightning's closure of one optimizer step as its precision plugins run it before stepping: the closure (the
+    backward), the ``on_before_optimizer_step`` hooks, then the gradient clipping. Returns the closure's result."""
+    return _read(precision, "_wrap_closure", "the closure of an optimizer step")(model, optimizer, closure)
+
+
 def lightning_update_dataloader(dataloader: Any, sampler: Any) -> Any:
     """``dataloader`` re-instantiated with ``sampler``, as Lightning does when it injects its distributed sampler."""
     from lightning.fabric.utilities.data import _update_dataloader
@@ -148,6 +154,7 @@ __all__ = [
     "is_persistent_buffer",
     "lightning_fit_position",
     "lightning_remove_module_hooks",
+    "lightning_run_closure",
     "lightning_update_dataloader",
     "mark_loaded_parameters",
     "mark_optimizer_stepped",

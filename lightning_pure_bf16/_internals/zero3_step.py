@@ -56,29 +56,42 @@ def view_sub_group_gradients(zero_optimizer: Any) -> None:
     zero_optimizer._prepare_fp32_grad_for_sub_group = prepare
 
 
-def fold_gradient_scale(zero_optimizer: Any, set_scale: Callable[[float], None]) -> None:
+def fold_gradient_scale(zero_optimizer: Any) -> None:
     """Fold ZeRO-3's scaling of the gradient partition into the update that follows it.
 
     Before each sub-group's update ZeRO-3 multiplies its gradient partition in place by ``1 / (loss scale x clip
     factor)`` (``unscale_and_clip_grads``): a pass over the gradient of its own, 4 bytes per element read and written
     beside the update's 14, made even where the factor is 1 (under bf16 the loss scale is 1, and the clip factor is 1
     without clipping or while the norm is within the clipping norm). Here the factor is computed as ZeRO-3 computes it
-    and handed to ``set_scale`` (as a float: the step has already read the norm on the host for its inf/NaN
-    decision), and the gradient is left as it is: the update multiplies each element by it in float32, in its own
-    pass (:attr:`lightning_pure_bf16.AdamW.grad_scale`), instead of ZeRO-3 rounding the product to bf16 first.
-    Wrapped on this optimizer instance only.
+    (as a float: the step has already read the norm on the host for its inf/NaN decision) and the gradient is left as
+    it is; the sub-group's update (``_optimizer_step``, without offload: the sub-group's master partition put in its
+    param group for one step) passes it to the pure-bf16 optimizer's step as its argument
+    (``step(grad_scale=...)``), which multiplies each element by it in float32 in its own pass, instead of ZeRO-3
+    rounding the product to bf16 first. Wrapped on this optimizer instance only.
     """
     _read(zero_optimizer, "unscale_and_clip_grads", "the gradient scaling before the update")
     _read(zero_optimizer, "clip_grad", "the norm ZeRO-3 clips to")
+    _read(zero_optimizer, "_optimizer_step", "the update of one sub-group")
+    group_ids = _read(zero_optimizer, "sub_group_to_group_id", "the param group of each sub-group")
+    masters = _read(zero_optimizer, "fp32_partitioned_groups_flat", "the master partitions")
+    factors: dict[int, float] = {}  # each sub-group's factor, from its scaling to its update right after
 
     def unscale_and_clip(sub_group_id: int, total_norm: Any) -> None:
         combined_scale = zero_optimizer.loss_scale
         if zero_optimizer.clip_grad > 0.0:
             clip = torch.clamp(((total_norm / combined_scale) + 1e-6) / zero_optimizer.clip_grad, min=1.0)
             combined_scale = clip * combined_scale
-        set_scale(float(1.0 / combined_scale))
+        factors[sub_group_id] = float(1.0 / combined_scale)
+
+    def optimizer_step(sub_group_id: int) -> None:
+        optimizer = zero_optimizer.optimizer
+        group = optimizer.param_groups[group_ids[sub_group_id]]
+        group["params"] = [masters[sub_group_id]]
+        optimizer.step(grad_scale=factors.pop(sub_group_id, 1.0))
+        group["params"] = []
 
     zero_optimizer.unscale_and_clip_grads = unscale_and_clip
+    zero_optimizer._optimizer_step = optimizer_step
 
 
 def reduce_full_buckets_at_once(zero_optimizer: Any) -> None:

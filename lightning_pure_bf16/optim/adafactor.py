@@ -99,7 +99,14 @@ class Adafactor(PureBF16Optimizer):
 
     @torch.no_grad()
     def update_whole(
-        self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, backend: str, *, step: int
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        grad: torch.Tensor,
+        backend: str,
+        *,
+        step: int,
+        grad_scale: float,
     ) -> None:
         pieces = self.pieces_of(p)
         stats = self.state[p][STATISTICS_KEY]
@@ -108,7 +115,7 @@ class Adafactor(PureBF16Optimizer):
         eps1 = torch.finfo(torch.float32).eps if group["eps"][0] is None else float(group["eps"][0])
         eps2 = float(group["eps"][1])
         places = _places(pieces)
-        chunk, scale = self.chunk_size, float(self.grad_scale)
+        chunk, scale = self.chunk_size, grad_scale
 
         def grad_of(q: Piece, begin: int, end: int) -> torch.Tensor:
             g = flat_g[q.offset + begin : q.offset + end].to(torch.float32, copy=True)

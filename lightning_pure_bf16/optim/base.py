@@ -36,6 +36,29 @@ Rounding = Literal["stochastic", "kahan", "nearest"]
 Backend = Literal["auto", "triton", "cpu", "torch"]
 StateStorage = Literal["memory", "mmap"]
 
+
+class _StepArgument:
+    """A former one-step attribute that is now an argument of :meth:`PureBF16Optimizer.step`: reading or setting it
+    says so (setting it used to apply it to the next step; now it would silently do nothing)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        raise AttributeError(self._message(obj))
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(self._message(obj))
+
+    def _message(self, obj: Any) -> str:
+        return (
+            f"`{type(obj).__name__}.{self.name}` is an argument of the step now, for the one step it describes: call"
+            f" `optimizer.step({self.name}=...)` instead of setting the attribute."
+        )
+
+
 # Attributes a copy or an unpickled optimizer keeps, besides torch's defaults, state and param groups.
 _COPIED_ATTRIBUTES = (
     "seed",
@@ -105,14 +128,6 @@ class PureBF16Optimizer(Optimizer):
             :meth:`record_skipped_step`.
         nonfinite_reduce: optional function applied to the local non-finite flag before deciding (for example an
             all-reduce with ``MAX``), so every rank skips together.
-        grad_scale: in the next :meth:`step`, every gradient element is multiplied by this factor, in float32, inside
-            the update's one pass (default: ``1.0``, no product); the step puts it back to 1.0. For a caller that
-            clips by the global norm itself, in place of a pass of its own over the gradient: the strategies set it
-            to the clip factor before each ZeRO-3 update and in the FSDP2 strategy's clipping. A finite number > 0;
-            not saved.
-        grads_finite: set by a caller that has established, on every rank, that every gradient of the next
-            :meth:`step` is finite (a finite global norm over them, say): that step skips its own inf/NaN check (a
-            pass over the gradients and a host synchronization); the step puts it back to ``False``. Not saved.
     """
 
     # What an algorithm declares: the names of its per-element states, in slot order (slot 0 signed, slot 1
@@ -125,6 +140,8 @@ class PureBF16Optimizer(Optimizer):
     # The per-tensor state keys of the torch.optim optimizer of the same algorithm, whose state dicts load
     # (from_torch_state converts each tensor's state); empty: the same as state_names.
     torch_state_names: tuple[str, ...] = ()
+    grad_scale = _StepArgument()
+    grads_finite = _StepArgument()
 
     def __init__(
         self,
@@ -181,8 +198,6 @@ class PureBF16Optimizer(Optimizer):
         self.skipped_parameter_updates = 0
         self.check_nonfinite = True
         self.nonfinite_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.grad_scale = 1.0
-        self.grads_finite = False
         self._next_stream = 0
         # The parameters this optimizer was given (ids): a float32 tensor stepped in their place is a wrapper's master.
         self._given_params: set[int] = set()
@@ -336,27 +351,37 @@ class PureBF16Optimizer(Optimizer):
 
     @torch.compiler.disable
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0, grads_finite: bool = False
+    ) -> float | None:
         """One optimizer step; skipped entirely (no buffer or counter changes) when any gradient is inf/NaN.
 
         Under ``torch.compile`` the step runs eagerly (it is one fused kernel per tensor already), so it draws the
         same rounding noise as without compiling.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as in ``torch.optim``; called before the update.
+            grad_scale: a factor every gradient element is multiplied by, in float32, inside the update's one pass
+                (default: ``1.0``, no product): for a caller that clips by the global norm itself, in place of a
+                pass of its own over the gradients. The strategies pass the clip factor here. A finite number > 0.
+            grads_finite: the caller has established, on every rank, that every gradient is finite (a finite
+                global norm over them, say): the step skips its own inf/NaN check, a pass over the gradients and a
+                host synchronization (default: ``False``).
         """
         self._check_open()
-        try:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-            # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank
-            # takes part in the agreement, over all its DTensor parameters (with a gradient or not), unless the
-            # caller established on every rank that the gradients are finite (grads_finite).
-            every = sharded.dtensors(q for g in self.param_groups for q in g["params"])
-            if not self._apply(params, None if self.grads_finite else self.nonfinite_grads, agree_over=every):
-                self.record_skipped_step()
-        finally:
-            self.grad_scale, self.grads_finite = 1.0, False  # what a caller established for this one step
+        functional.check_grad_scale(f"`{type(self).__name__}.step(grad_scale=...)`", grad_scale)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # One inf/NaN on any rank skips the step on every rank, as under ZeRO-3; every rank steps, so every rank
+        # takes part in the agreement, over all its DTensor parameters (with a gradient or not), unless the caller
+        # established on every rank that the gradients are finite (grads_finite).
+        every = sharded.dtensors(q for g in self.param_groups for q in g["params"])
+        nonfinite = None if grads_finite else self.nonfinite_grads
+        if not self._apply(params, nonfinite, agree_over=every, grad_scale=float(grad_scale)):
+            self.record_skipped_step()
         return loss
 
     def _check_open(self) -> None:
@@ -369,13 +394,13 @@ class PureBF16Optimizer(Optimizer):
         nonfinite: Callable[[], torch.Tensor] | None,
         *,
         agree_over: list[torch.Tensor],
+        grad_scale: float = 1.0,
     ) -> bool:
         """The update path of :meth:`step` and :meth:`step_parameter`: every tensor checked and its backend chosen
         before anything changes, the inf/NaN decision (``nonfinite()``, reduced by :attr:`nonfinite_reduce` or agreed
         over the DTensors ``agree_over`` across ranks), the state files made and checked, then each tensor updated.
         Returns whether the tensors were updated (False: a gradient was inf/NaN and nothing changed)."""
         name = type(self).__name__
-        functional.check_grad_scale(f"`{name}.grad_scale`", self.grad_scale)
         plan = [
             (p, group, functional.resolve_backend(self.backend, *sharded.local_pair(name, p), name=name))
             for p, group in params
@@ -401,16 +426,24 @@ class PureBF16Optimizer(Optimizer):
             state["step"] += 1
             shard, grad = sharded.local_pair(name, p)
             if self.whole_parameter:  # every rank takes part in the collectives, an empty shard included
-                self.update_whole(p, group, grad, backend, step=int(state["step"].item()))
+                self.update_whole(p, group, grad, backend, step=int(state["step"].item()), grad_scale=grad_scale)
             elif shard.numel():  # FSDP2 leaves the last ranks' shards of a short tensor empty
-                self._write(p, group, grad, 0, backend, step=int(state["step"].item()))
+                self._write(p, group, grad, 0, backend, step=int(state["step"].item()), grad_scale=grad_scale)
         return True
 
     def update_whole(
-        self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, backend: str, *, step: int
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        grad: torch.Tensor,
+        backend: str,
+        *,
+        step: int,
+        grad_scale: float,
     ) -> None:
         """One step of a tensor whose update needs whole parameters (:attr:`whole_parameter`): ``grad`` is the
-        gradient of ``p``'s local elements, :meth:`pieces_of` says which parameters they belong to. Writes through
+        gradient of ``p``'s local elements, to be multiplied by ``grad_scale`` in float32, :meth:`pieces_of` says
+        which parameters they belong to. Writes through
         :meth:`write_direction` or :meth:`_write`."""
         raise NotImplementedError
 
@@ -607,6 +640,7 @@ class PureBF16Optimizer(Optimizer):
         backend: str,
         *,
         step: int,
+        grad_scale: float = 1.0,
         defer_writes: bool = False,
     ) -> None:
         """The one update path: elements ``[start, start + grad.numel())`` of ``p`` (of its local shard, for a DTensor)
@@ -619,7 +653,7 @@ class PureBF16Optimizer(Optimizer):
             group,
             step=step,
             keys=tuple(stream_key(seed, state["stream"], step, b) for b in Buffer),  # type: ignore[arg-type]
-            grad_scale=self.grad_scale,
+            grad_scale=grad_scale,
         )
         update = functional.update_function(backend, self.chunk_size)
         kahan = group["rounding"] == "kahan" and p.dtype == torch.bfloat16
@@ -651,7 +685,6 @@ class PureBF16Optimizer(Optimizer):
         """What ``copy.deepcopy``, ``pickle`` and ``torch.save(optimizer)`` keep: torch's state plus the seed, the
         counters and the options, so a copy continues bit for bit like the original. ``nonfinite_reduce`` is left out
         (like torch's hooks: it is bound to a process group); a copy checks its own gradients until it is set again.
-        ``grad_scale`` and ``grads_finite`` (a caller's word on one step) start at 1.0 and ``False`` in a copy.
         With ``state_storage="mmap"`` the moments travel as tensors and the copy writes them to state files of its
         own (under the same ``state_dir``); the original's files are never touched."""
         state = super().__getstate__()
@@ -668,7 +701,6 @@ class PureBF16Optimizer(Optimizer):
         self._given_params = {id(p) for group in self.param_groups for p in group["params"]}  # the copy's own
         self._pieces = {}  # a ZeRO-3 partition's description belongs to the engine that set it
         self.nonfinite_reduce = None
-        self.grad_scale, self.grads_finite = 1.0, False  # a caller's word on one step, not the optimizer's state
         self._storage.adopt_copy(self)
 
     def state_dict(self) -> dict[str, Any]:

@@ -171,11 +171,18 @@ class Muon(PureBF16Optimizer):
 
     @torch.no_grad()
     def update_whole(
-        self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, backend: str, *, step: int
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        grad: torch.Tensor,
+        backend: str,
+        *,
+        step: int,
+        grad_scale: float,
     ) -> None:
         if not group["use_muon"]:
             if sharded.local(p).numel():
-                self._write(p, group, grad, 0, backend, step=step)
+                self._write(p, group, grad, 0, backend, step=step, grad_scale=grad_scale)
             return
         pieces = self.pieces_of(p)
         state = self.state[p]
@@ -189,8 +196,8 @@ class Muon(PureBF16Optimizer):
             run = torch.zeros(q.span, dtype=torch.bfloat16, device=flat_p.device)
             for begin, end in _chunks(offset + q.offset, q.numel, self.chunk_size):
                 g = flat_g[q.offset + begin : q.offset + end].to(torch.float32, copy=True)
-                if self.grad_scale != 1.0:
-                    g.mul_(float(self.grad_scale))
+                if grad_scale != 1.0:
+                    g.mul_(grad_scale)
                 stored = momentum[q.offset + begin : q.offset + end]
                 m = stored.float().lerp_(g, 1.0 - mu)
                 if stored.dtype != torch.bfloat16:

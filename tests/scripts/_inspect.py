@@ -40,3 +40,26 @@ def reachable_tensors(obj: Any, prefix: str = "", *, max_depth: int = 6) -> list
 
     walk(obj, prefix, 0)
     return found
+
+
+def record_sub_group_steps(record: Any) -> None:
+    """From the next engine set up in this process on: at each ZeRO-3 sub-group's update, ``record(zero_optimizer,
+    master, kwargs)`` with the master partition the pure-bf16 optimizer steps and the arguments of its step (the
+    clip factor). Hooks where the package hands the factor to the step (``_internals.fold_gradient_scale``)."""
+    import lightning_pure_bf16
+
+    fold = lightning_pure_bf16._internals.fold_gradient_scale
+
+    def fold_and_record(zero_optimizer: Any) -> None:
+        fold(zero_optimizer)
+        optimizer = zero_optimizer.optimizer
+        step = optimizer.step
+
+        def recorded(closure: Any = None, **kwargs: Any) -> Any:
+            (master,) = [p for group in optimizer.param_groups for p in group["params"]]
+            record(zero_optimizer, master, kwargs)
+            return step(closure, **kwargs)
+
+        optimizer.step = recorded
+
+    lightning_pure_bf16._internals.fold_gradient_scale = fold_and_record

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _inspect import reachable_tensors
+from _inspect import reachable_tensors, record_sub_group_steps
 from _models import MLP, data, param_groups, partitions
 from _runs import run_all
 from lightning.fabric import Fabric
@@ -25,17 +25,13 @@ from lightning_pure_bf16.memory import is_file_backed
 
 def record_clipping() -> list:
     """At each sub-group update of every step: the norm ZeRO-3 clips to, the gradient's norm, and the factor the
-    update multiplies the gradient by (the clip factor, folded into the update)."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
+    update multiplies the gradient by (the clip factor, folded into the update: the step's argument)."""
     seen = []
-    original = DeepSpeedZeroOptimizer_Stage3._optimizer_step
 
-    def recorded(self, sub_group_id):
-        seen.append((float(self.clip_grad), float(self._global_grad_norm), float(self.optimizer.grad_scale)))
-        return original(self, sub_group_id)
+    def record(zero, master, kwargs):  # noqa: ANN001, ANN202
+        seen.append((float(zero.clip_grad), float(zero._global_grad_norm), float(kwargs["grad_scale"])))
 
-    DeepSpeedZeroOptimizer_Stage3._optimizer_step = recorded
+    record_sub_group_steps(record)
     return seen
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 try:  # run as a script (this folder on the path), or imported as tests.scripts.fit_mlp by a test
-    from _inspect import reachable_tensors
+    from _inspect import reachable_tensors, record_sub_group_steps
     from _models import MLP as Layers
     from _models import data, param_groups, partitions
     from _runs import run_all
 except ImportError:
-    from tests.scripts._inspect import reachable_tensors
+    from tests.scripts._inspect import reachable_tensors, record_sub_group_steps
     from tests.scripts._models import MLP as Layers
     from tests.scripts._models import data, param_groups, partitions
     from tests.scripts._runs import run_all
@@ -378,20 +378,15 @@ def main(out: Path, opts: dict) -> None:
 
 
 def _record_step_gradient_storage() -> list:
-    """At each sub-group's update: whether the gradient the optimizer gets is ZeRO-3's gradient partition itself (a
-    view) rather than a copy of it."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
+    """At each sub-group's update: where the gradient the optimizer gets lives, and where ZeRO-3's gradient partition
+    does (the data pointers of their storages)."""
     seen = []
-    original = DeepSpeedZeroOptimizer_Stage3._optimizer_step
 
-    def recorded(self, sub_group_id):
-        grad = self.fp32_partitioned_groups_flat[sub_group_id].grad
-        buffer = self.grad_partitions_flat_buffer
-        seen.append(grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
-        return original(self, sub_group_id)
+    def record(zero, master, kwargs):  # noqa: ANN001, ANN202
+        buffer = zero.grad_partitions_flat_buffer
+        seen.append((master.grad.untyped_storage().data_ptr(), buffer.untyped_storage().data_ptr()))
 
-    DeepSpeedZeroOptimizer_Stage3._optimizer_step = recorded
+    record_sub_group_steps(record)
     return seen
 
 

@@ -124,21 +124,27 @@ def main(out: Path, opts: dict) -> None:
                 errors[name] = str(err)
         torch.save(errors, out / f"refusals_rank{int(os.environ.get('LOCAL_RANK', 0))}.pt")
     if opts.get("clip"):
-        # Clipping by norm: the factor the precision plugin hands to the optimizer at each step, and what the step
-        # leaves of it.
+        # Clipping by norm: the factor the precision plugin establishes at each step, and the factor each step of
+        # the optimizer is given.
+        from lightning_pure_bf16 import AdamW
         from lightning_pure_bf16.fsdp2 import FSDP2PureBF16Precision
 
-        factors = []
-        clip = FSDP2PureBF16Precision.clip_grad_by_norm
+        factors, stepped = [], []
+        clip, step = FSDP2PureBF16Precision.clip_grad_by_norm, AdamW.step  # the adopted optimizer's class
 
         def recorded(self, optimizer, clip_val):  # noqa: ANN001, ANN202
             clip(self, optimizer, clip_val)
-            factors.append(float(optimizer.grad_scale))
+            factors.append(self.clipped(optimizer)[0])
 
-        FSDP2PureBF16Precision.clip_grad_by_norm = recorded
+        def recorded_step(self, closure=None, **kwargs):  # noqa: ANN001, ANN202
+            stepped.append((kwargs.get("grad_scale", 1.0), kwargs.get("grads_finite", False)))
+            return step(self, closure, **kwargs)
+
+        FSDP2PureBF16Precision.clip_grad_by_norm, AdamW.step = recorded, recorded_step
         clipped = fit(out / "clip", "fsdp2_pure_bf16", clip=opts["clip"])
-        FSDP2PureBF16Precision.clip_grad_by_norm = clip
-        clipped |= {"factors": factors, "after": float(clipped.pop("optimizer_object").grad_scale)}
+        FSDP2PureBF16Precision.clip_grad_by_norm, AdamW.step = clip, step
+        clipped.pop("optimizer_object")
+        clipped |= {"factors": factors, "stepped": stepped}
         torch.save(clipped, out / f"clip_rank{clipped['rank']}.pt")
     for strategy in opts.get("strategies", ["fsdp2_pure_bf16"]):
         where = out / strategy
