@@ -161,16 +161,16 @@ def _run_world_size_trainer(spec: Spec, work: Path, phases: _Phases, stage: str)
     from lightning.pytorch import LightningModule, Trainer
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, repartition
+    from lightning_pure_bf16 import DeepSpeedPureBF16Strategy, zero_checkpoint
 
     readers: list = []
-    opened = repartition.ZeroCheckpoint.__init__
+    opened = zero_checkpoint.ZeroCheckpoint.__init__
 
     def record(self, *args, **kwargs) -> None:
         opened(self, *args, **kwargs)
         readers.append(self)
 
-    repartition.ZeroCheckpoint.__init__ = record
+    zero_checkpoint.ZeroCheckpoint.__init__ = record
 
     class GPTModule(LightningModule):
         def configure_model(self) -> None:
@@ -226,16 +226,16 @@ def _run_world_size(spec: Spec, work: Path, phases: _Phases, stage: str) -> None
     import torch
     from lightning.fabric import Fabric
 
-    from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy, repartition
+    from lightning_pure_bf16 import DeepSpeedPureBF16FabricStrategy, zero_checkpoint
 
     readers: list = []
-    opened = repartition.ZeroCheckpoint.__init__
+    opened = zero_checkpoint.ZeroCheckpoint.__init__
 
     def record(self, *args, **kwargs) -> None:  # the bytes each rank reads out of the checkpoint's tensors
         opened(self, *args, **kwargs)
         readers.append(self)
 
-    repartition.ZeroCheckpoint.__init__ = record
+    zero_checkpoint.ZeroCheckpoint.__init__ = record
     fabric = Fabric(accelerator="cpu", devices=spec.world_size, strategy=DeepSpeedPureBF16FabricStrategy())
     fabric.launch()
     with fabric.init_module():

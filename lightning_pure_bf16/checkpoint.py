@@ -1,4 +1,5 @@
-"""Checkpoints: a durable, atomic save, a check before any load, and consolidation from any world size.
+"""Checkpoints: a durable, atomic save, a check before any load, and the exports (one state dict, Hugging Face's
+sharded safetensors, the optimizer state, DeepSpeed's universal layout) from a checkpoint of any world size.
 
 A pure-bf16 checkpoint is DeepSpeed's ZeRO-3 checkpoint directory (one model-state and one optimizer-state file per
 rank, Lightning's loop and scheduler state inside rank 0's model-state file) plus ``pure_bf16_checkpoint.json``, a
@@ -17,12 +18,9 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from lightning_pure_bf16.repartition import ZeroCheckpoint
 
 from lightning_pure_bf16.durable import fsync_path, fsync_tree, replaced_atomically
 from lightning_pure_bf16.safe_load import (
@@ -42,6 +40,7 @@ from lightning_pure_bf16.shards import (
     save_sharded,
     write_safetensors,
 )
+from lightning_pure_bf16.zero_checkpoint import ZeroCheckpoint
 
 MANIFEST = "pure_bf16_checkpoint.json"
 TAG = "checkpoint"
@@ -339,13 +338,8 @@ def open_checkpoint(path: str | os.PathLike, *, trust_checkpoint: bool = False) 
     """Validate a checkpoint (this package's, or DeepSpeed's ZeRO-3 with fp32 masters) and open its reader: the rank
     files memory-mapped, nothing read until a tensor is asked for. ``trust_checkpoint``: as
     :func:`validate_checkpoint`'s."""
-    from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint
-
     directory, manifest = validate_checkpoint(path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
-    try:
-        return ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
-    except RepartitionError as err:
-        raise CheckpointError(str(err)) from err
+    return ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
 
 
 def weight_sources(
@@ -472,28 +466,66 @@ def consolidate_optimizer_state(
     Raises:
         CheckpointError: if the checkpoint is missing, incomplete, truncated, or needs code to be read.
     """
-    from lightning_pure_bf16.repartition import RepartitionError
-    from lightning_pure_bf16.repartition import consolidate_optimizer_state as consolidate
-
-    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
-    try:
-        return consolidate(tag_directory(directory, manifest), trust=trust_checkpoint)
-    except RepartitionError as err:
-        raise CheckpointError(str(err)) from err
+    reader = open_checkpoint(path, trust_checkpoint=trust_checkpoint)
+    step = reader.step()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name in reader.iter_params():
+        entry = {key: reader.full(name, key).clone() for key in reader.stored_keys(name)}
+        if step is not None:
+            entry["step"] = torch.tensor(step, dtype=torch.int64)
+        out[name] = entry
+    return out
 
 
 def export_universal_checkpoint(
-    path: str | os.PathLike, output: str | os.PathLike, *, trust_checkpoint: bool = False
+    path: str | os.PathLike, output: str | os.PathLike, *, tag: str = "universal", trust_checkpoint: bool = False
 ) -> Path:
-    """Write a checkpoint (any world size) in DeepSpeed's universal layout under ``output/universal``; see
-    :func:`lightning_pure_bf16.repartition.export_universal`. ``trust_checkpoint``: as :func:`validate_checkpoint`'s."""
-    from lightning_pure_bf16.repartition import RepartitionError, export_universal
+    """Write a checkpoint (any world size) in DeepSpeed's universal layout under ``output/tag``
+    (``output/latest_universal`` names the tag), to be loaded by DeepSpeed's engine with ``"checkpoint":
+    {"load_universal": true}`` at any world size, or by this package.
 
-    directory, manifest = validate_checkpoint(path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint)
-    try:
-        return export_universal(tag_directory(directory, manifest), output, trust=trust_checkpoint)
-    except RepartitionError as err:
-        raise CheckpointError(str(err)) from err
+    Per parameter: ``fp32.pt`` (the weights, exactly), one file per per-element optimizer state (``exp_avg.pt``,
+    ``exp_avg_sq.pt``, ...: float32, 8-bit codes decoded), and ``kahan_comp.pt`` when the run kept a Kahan remainder
+    (DeepSpeed's loader ignores it). Written to a staging directory, fsynced, and moved into place complete.
+    ``trust_checkpoint``: as :func:`validate_checkpoint`'s.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, incomplete, truncated, or needs code to be read.
+        FileExistsError: ``output/tag`` exists.
+    """
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+
+    reader = open_checkpoint(path, trust_checkpoint=trust_checkpoint)
+    output = Path(output)
+    final = output / tag
+    if final.exists():
+        raise FileExistsError(f"'{final}' exists; export into a new directory.")
+    staged = output / f".{tag}.part"
+    if staged.exists():
+        shutil.rmtree(staged)
+    (staged / "zero").mkdir(parents=True)
+    for name in reader.iter_params():
+        folder = staged / "zero" / name
+        folder.mkdir()
+        torch.save({PARAM: reader.full(name).float().clone()}, folder / "fp32.pt")
+        for key in reader.stored_keys(name):
+            torch.save({PARAM: reader.full(name, key).float().clone()}, folder / f"{key}.pt")
+    zero0 = dict(reader.zero_state(0))
+    inner = dict(zero0[OPTIMIZER_STATE_DICT])
+    # DeepSpeed's loader reads the step of state 0 and the hyperparameters of group 0 from this file.
+    inner["state"] = {0: {"step": torch.tensor(float(reader.step() or 0))}}
+    zero0.pop("fp32_flat_groups", None)
+    zero0[OPTIMIZER_STATE_DICT] = inner
+    zero0[PARAM_GROUPS] = inner["param_groups"]
+    torch.save(zero0, staged / "zero" / "optimizer_state.pt")
+    for f in reader.model_files:
+        shutil.copy2(f, staged / f.name)
+    fsync_tree(staged)
+    output.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, final)
+    with replaced_atomically(output / "latest_universal") as part:
+        part.write_text(tag)
+    return final
 
 
 def save_state_dict(state: dict[str, torch.Tensor], output: str | os.PathLike) -> Path:

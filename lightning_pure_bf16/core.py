@@ -19,10 +19,8 @@ from lightning_pure_bf16.optim.options import (
     OptimizerOptions,
 )
 from lightning_pure_bf16.presets import GPU_BUCKET, PureBF16Settings, register_presets
-from lightning_pure_bf16.repartition import (
-    ZeroCheckpoint,
-)
 from lightning_pure_bf16.zero3_engine import EngineRun, after_engine_setup, engine_run, inner_optimizer, memory_report
+from lightning_pure_bf16.zero_checkpoint import ZeroCheckpoint
 
 
 class LightningFrontEnd:

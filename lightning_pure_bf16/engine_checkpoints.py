@@ -21,14 +21,9 @@ from lightning_pure_bf16.checkpoint import (
     tag_directory,
     validate_checkpoint,
 )
-from lightning_pure_bf16.repartition import (
-    DEEPSPEED_KEYS,
-    RepartitionError,
-    ZeroCheckpoint,
-    live_layout,
-    load_repartitioned,
-)
+from lightning_pure_bf16.repartition import load_repartitioned, named_sizes
 from lightning_pure_bf16.safe_load import check_state_files, load_state_file, verify_state_file
+from lightning_pure_bf16.zero_checkpoint import DEEPSPEED_KEYS, ZeroCheckpoint
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
@@ -56,7 +51,7 @@ def save_checkpoint(
         )
 
     # The sub-groups' layout, so a resume at the same world size and layout knows it without reading a rank file.
-    layout = live_layout(engine.optimizer)
+    layout = named_sizes(_internals.zero3_layout(engine.optimizer))
     save_staged(
         filepath, write, world_size=world_size, is_global_zero=is_global_zero, barrier=barrier, layout=layout, **info
     )
@@ -111,20 +106,20 @@ def load_checkpoint(
         checkpoint_path, accept_fp32_masters=True, trust_checkpoint=trust_checkpoint, verify_checksums=False
     )
     _verify_shared(state_files(directory, manifest), rank, world_size, engine.device, trust_checkpoint)
-    live = live_layout(engine.optimizer)
-    try:
-        saved = None
-        if manifest is not None and "layout" in manifest:  # written at save since the layout was recorded
-            same_layout = manifest["world_size"] == world_size and manifest["layout"] == live
-        else:
+    layout = _internals.zero3_layout(engine.optimizer)  # the live one, once per resume
+    live = named_sizes(layout)
+    saved = None
+    if manifest is not None and "layout" in manifest:  # written at save since the layout was recorded
+        same_layout = manifest["world_size"] == world_size and manifest["layout"] == live
+    else:
+        saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
+        same_layout = manifest is not None and saved.world_size == world_size and saved.layout() == live
+    if not same_layout:
+        if saved is None:
             saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
-            same_layout = manifest is not None and saved.world_size == world_size and saved.layout() == live
-        if not same_layout:
-            if saved is None:
-                saved = ZeroCheckpoint(tag_directory(directory, manifest), trust=trust_checkpoint)
-            loaded = load_repartitioned(saved, engine.optimizer, rank=rank, load_optimizer_states=load_optimizer_states)
-    except RepartitionError as err:
-        raise CheckpointError(str(err)) from err
+        loaded = load_repartitioned(
+            saved, engine.optimizer, rank=rank, layout=layout, load_optimizer_states=load_optimizer_states
+        )
     if same_layout:
         # Each file memory-mapped (its pages are page cache, copied into the run's buffers) and read weights-only.
         read = functools.partial(load_state_file, trust=trust_checkpoint)
@@ -153,7 +148,7 @@ def load_checkpoint(
     rank_zero_info(
         f"{strategy_name}: re-partitioned the {source} checkpoint '{checkpoint_path}' written by {saved.world_size}"
         f" rank(s) in {len(saved.sub_groups)} sub-group(s) to {world_size} rank(s) in"
-        f" {len(live_layout(engine.optimizer))}: {loaded}."
+        f" {len(layout)}: {loaded}."
     )
     return saved.client_state(), saved
 

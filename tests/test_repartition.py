@@ -21,7 +21,7 @@ from lightning_pure_bf16.checkpoint import (
     export_universal_checkpoint,
     validate_checkpoint,
 )
-from lightning_pure_bf16.repartition import RepartitionError, ZeroCheckpoint
+from lightning_pure_bf16.zero_checkpoint import ZeroCheckpoint
 from tests.strategy_runs import fit_nodes, fit_runs, load_ranks, output, run_script
 
 # Kahan, a scheduler, and an inf/NaN step (2) on one rank: every counter and buffer a checkpoint holds is non-trivial.
@@ -199,11 +199,11 @@ def test_adafactor_checkpoints_resume_at_the_saved_world_size_with_their_statist
     assert a.holds_statistics()
     for rank in range(2):
         for sub_group in range(len(a.sub_groups)):
-            sa = a._inner_state(rank, sub_group)["statistics"]
-            sb = b._inner_state(rank, sub_group)["statistics"]
+            sa = a.inner_state(rank, sub_group)["statistics"]
+            sb = b.inner_state(rank, sub_group)["statistics"]
             assert set(sa) == {"row_var", "col_var", "variance"}
             assert all(sa[k].dtype == torch.float32 and torch.equal(sa[k], sb[k]) for k in sa)
-    assert any(a._inner_state(0, s)["statistics"]["row_var"].abs().sum() > 0 for s in range(len(a.sub_groups)))
+    assert any(a.inner_state(0, s)["statistics"]["row_var"].abs().sum() > 0 for s in range(len(a.sub_groups)))
 
 
 def test_adafactor_checkpoints_are_refused_at_another_world_size_before_anything_is_loaded(launches):
@@ -424,9 +424,9 @@ def test_missing_rank_files_are_named(source, tmp_path):
     target = tmp_path / "cut"
     shutil.copytree(source[0] / "checkpoint", target)
     next(target.glob("*rank_0_*optim_states.pt")).unlink()
-    with pytest.raises(RepartitionError, match="ranks \\[1\\]: some ranks' files are missing"):
+    with pytest.raises(CheckpointError, match="ranks \\[1\\]: some ranks' files are missing"):
         ZeroCheckpoint(target)
-    with pytest.raises(RepartitionError, match="not a DeepSpeed ZeRO-3 checkpoint"):
+    with pytest.raises(CheckpointError, match="not a DeepSpeed ZeRO-3 checkpoint"):
         ZeroCheckpoint(tmp_path)
 
 

@@ -573,6 +573,16 @@ class PureBF16Optimizer(Optimizer):
         return state_dicts.dequantized(self, p)
 
     @torch.no_grad()
+    def set_step(self, p: torch.Tensor, step: int) -> None:
+        """Set the step count of ``p``'s state (which exists, :meth:`init_state`): what a checkpoint loaded piece by
+        piece (:meth:`load_state_range`) saved."""
+        state = self.state.get(p, {})
+        if "step" not in state:
+            raise RuntimeError(
+                f"{type(self).__name__}.set_step: the tensor has no state yet; call `init_states` first."
+            )
+        state["step"] = torch.tensor(int(step), dtype=torch.int64)
+
     def load_state_range(self, p: torch.Tensor, start: int, values: dict[str, torch.Tensor]) -> None:
         """Write elements ``[start, start + n)`` of the state buffers of ``p`` (a plain tensor whose state exists,
         :meth:`init_state`) from ``values``, keyed as the buffers, each 1-D of ``n`` elements in any format (floats,
