@@ -31,6 +31,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
+def round_states(
+    values: Sequence[torch.Tensor], rounding: str, key: int, first_index: int, index: torch.Tensor
+) -> list[torch.Tensor]:
+    """The bf16 writes of an element range's per-element states (float32 ``values``, one per slot, of elements
+    ``first_index + index``): to nearest under ``rounding="nearest"``, else stochastically with one word of random
+    bits per element from the stream ``key`` (slot 0 rounds with its low half, slot 1 with its high half). Every
+    algorithm's state writes on the PyTorch path, the elementwise update's and Muon's momentum alike."""
+    if rounding == "nearest":
+        return [nearest_round_bf16(value) for value in values]
+    bits = random_bits(key, first_index, index)
+    return [stochastic_round_bf16(value, bits >> (16 * slot)) for slot, value in enumerate(values)]
+
+
 def update_torch_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -108,9 +121,10 @@ def update_torch_(
             continue
 
         idx = local[: end - start]
+        if values and not int8_states:
+            outs = round_states(values, args.rounding, args.keys[1], index_offset + start, idx)
         if args.rounding == "nearest":
             p_out = nearest_round_bf16(p.add_(delta))
-            outs = [nearest_round_bf16(value) for value in values]
         else:
             bits_p = random_bits(args.keys[0], index_offset + start, idx)
             if args.rounding == "kahan" and c_flat.dtype == torch.int8:
@@ -128,10 +142,6 @@ def update_torch_(
             else:
                 # SR of the exact p + delta: the float32 sum alone would round away an update of 1e-7 of the weight.
                 p_out = stochastic_round_sum_bf16(p, delta, bits_p)
-            if values and not int8_states:
-                # One word of random bits for both slots: slot 0 rounds with its low half, slot 1 with its high half.
-                bits_mv = random_bits(args.keys[1], index_offset + start, idx)
-                outs = [stochastic_round_bf16(value, bits_mv >> (16 * slot)) for slot, value in enumerate(values)]
         if int8_states:
             # The block scales of the new states, then their codes (nearest rounding has no 8-bit form: 8-bit
             # writes are always stochastic).
@@ -150,4 +160,4 @@ def update_torch_(
             t.copy_(flat.view(t.shape))
 
 
-__all__ = ["DEFAULT_CHUNK", "ROUNDING_MODES", "intercepts_operations", "update_torch_"]
+__all__ = ["DEFAULT_CHUNK", "ROUNDING_MODES", "intercepts_operations", "round_states", "update_torch_"]

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from lightning_pure_bf16.ops.algorithms import UpdateArgs
-from lightning_pure_bf16.ops.rng import Buffer, next_high_word, random_bits, stream_key
-from lightning_pure_bf16.ops.rounding import nearest_round_bf16, stochastic_round_bf16
+from lightning_pure_bf16.ops.rng import Buffer, next_high_word, stream_key
+from lightning_pure_bf16.ops.update_torch import round_states
 from lightning_pure_bf16.optim import sharded
 from lightning_pure_bf16.optim.base import PureBF16Optimizer
 from lightning_pure_bf16.optim.options import check_choice, check_lr, check_non_negative
@@ -202,11 +202,9 @@ class Muon(PureBF16Optimizer):
                 m = stored.float().lerp_(g, 1.0 - mu)
                 if stored.dtype != torch.bfloat16:
                     stored.copy_(m)
-                elif group["rounding"] == "nearest":
-                    stored.copy_(nearest_round_bf16(m))
-                else:
+                else:  # the momentum's write, as every algorithm's states are written
                     index = torch.arange(end - begin, dtype=torch.int32, device=flat_p.device)
-                    stored.copy_(stochastic_round_bf16(m, random_bits(key, offset + q.offset + begin, index)))
+                    stored.copy_(round_states([m], group["rounding"], key, offset + q.offset + begin, index)[0])
                 run[begin:end] = (g.lerp_(m, mu) if group["nesterov"] else m).bfloat16()
             direction = _orthogonalized_run(run, q, owner, pieces, group)
             self.write_direction(
