@@ -18,7 +18,16 @@ Arms (the ``ARMS`` keys):
   parameters and torch AdamW (bf16 states, round to nearest);
 - ``fsdp2_torchao_sr``: the same with torchao's ``_AdamW(bf16_stochastic_round=True)``;
 - ``fsdp2_pure_bf16``, ``fsdp2_pure_bf16_int8``: the same with this package's ``AdamW`` over the sharded parameters
-  (stochastic rounding; 8-bit moments).
+  (stochastic rounding; 8-bit moments);
+- ``ds_muon``: DeepSpeed ZeRO-3 bf16 mixed with its own Muon (``"optimizer": {"type": "Muon"}``,
+  ``MuonWithAuxAdam``: fp32 masters, an fp32 momentum for the matrices, fp32 Adam moments for the rest);
+- ``pure_bf16_muon``: this package's Fabric strategy with its ``Muon`` (stochastic rounding, AdamW for the rest). Both
+  Muon arms put the same parameters in Muon, by DeepSpeed's rule: every parameter of two or more dimensions whose name
+  holds neither ``embed`` nor ``lm_head`` (in this GPT the two position and token embeddings ``wpe``/``wte`` too).
+
+With ``Spec.probe_step``, the optimizer step of the last step is measured on each rank (:class:`StepProbe`): the
+bytes of the tensors it allocates that are alive at once at its peak (above what was allocated before it: the model
+state, the gradient partition), and the bytes of the tensors it hands to each ``torch.distributed`` collective.
 
 DeepSpeed's own arms run through ``deepspeed.initialize`` with this package's CPU setup for DeepSpeed (its CPU
 accelerator and communication buckets), so that they run on a CPU as this package's arms do. Every arm builds the
@@ -66,6 +75,8 @@ ARMS = {
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
     "fsdp2_pure_bf16": "FSDP2 bf16 parameters, this package's AdamW (stochastic rounding)",
     "fsdp2_pure_bf16_int8": "FSDP2 bf16 parameters, this package's AdamW, 8-bit moments",
+    "ds_muon": "DeepSpeed ZeRO-3 bf16 mixed, its own Muon (fp32 masters, momentum and Adam moments)",
+    "pure_bf16_muon": "this strategy, Muon (stochastic rounding; AdamW on the rest)",
 }
 OURS = {
     "pure_bf16": {},
@@ -80,6 +91,7 @@ OURS = {
     "pure_bf16_keep": {"gather_cache": "keep"},
     "pure_bf16_next": {"gather_cache": "next"},
     "pure_bf16_layer": {"gather_cache": "layer"},
+    "pure_bf16_muon": {},
 }
 REFERENCE = "ds_bf16_mixed"
 # Arms of optional peers: the package each needs and how to install it (a missing one is skipped with that line).
@@ -114,6 +126,8 @@ class Spec:
     # no native bf16 dot products; DeepSpeed and FSDP2: bf16), "float32" every arm from the bf16 values in float32
     # (this package's Float32Matmul around the others' forward, whose backward follows), "bf16" every arm in bf16.
     cpu_matmul: str = "auto"
+    # Measure the last step's optimizer step (StepProbe): its allocations' peak and the bytes of its collectives.
+    probe_step: bool = False
 
     @property
     def float32_products(self) -> bool:
@@ -282,7 +296,7 @@ def _batches(spec: Spec, device: object) -> list:
     return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
 
 
-def _gpt(spec: Spec) -> object:
+def build_gpt(spec: Spec) -> object:
     sys.path.insert(0, str(ROOT / "examples"))
     from gpt import GPT, GPTConfig
 
@@ -301,12 +315,26 @@ def _deepspeed_config(arm: str, spec: Spec) -> dict:
         # As this package does for float32 products: ZeRO-3's memory-efficient linear is an autograd function whose
         # products Float32Matmul does not see; plain F.linear records the casts, so its backward runs in float32 too.
         zero["memory_efficient_linear"] = False
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": spec.batch_size,
         "bf16": bf16,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
     }
+    if arm == "ds_muon":
+        # torch.optim.Muon's momentum; the Adam half takes DeepSpeed's defaults (betas (0.9, 0.999), eps 1e-8).
+        # DeepSpeed's Muon under ZeRO-3 refuses its reduce-scatter of gradients ("Muon and reduce scatter cannot be
+        # used together"): the gradients are all-reduced.
+        config["optimizer"] = {"type": "Muon", "params": {"lr": spec.lr, "momentum": 0.95, "weight_decay": 0.1}}
+        zero["reduce_scatter"] = False
+    return config
+
+
+def in_muon(name: str, p: object) -> bool:
+    """DeepSpeed's rule for the parameters its Muon orthogonalizes (``deepspeed.set_optimizer_flags``): two or more
+    dimensions as a layer (``ds_shape`` under ``zero.Init``), and a name without ``embed`` or ``lm_head``."""
+    shape = getattr(p, "ds_shape", None) or p.shape
+    return len(shape) >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
 
 
 def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
@@ -323,9 +351,12 @@ def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
     config = _deepspeed_config(arm, spec)
     out["before_model_bytes"] = _status_bytes("self", *HELD)
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = _gpt(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        model = build_gpt(spec)
+    if arm == "ds_muon":  # DeepSpeed builds its optimizer from the config
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         t0 = _now(spec)
@@ -333,10 +364,12 @@ def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
             loss = torch.nn.functional.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
         engine.backward(loss)
         t1 = _now(spec)
-        engine.step()
+        with _probe(spec, out):
+            engine.step()
         return t1 - t0, _now(spec) - t1
 
     _loop(spec, device, step, out)
+    out["model_state_bytes_per_param"] = _model_state_per_param(engine.optimizer)
 
 
 def ours_fabric(arm: str, spec: Spec, state_dir: Path) -> object:
@@ -368,8 +401,17 @@ def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
     fabric = ours_fabric(arm, spec, state_dir)
     out["before_model_bytes"] = _status_bytes("self", *HELD)
     with fabric.init_module():
-        model = _gpt(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+        model = build_gpt(spec)
+    if arm == "pure_bf16_muon":
+        from lightning_pure_bf16 import Muon
+
+        named = list(model.named_parameters())
+        matrices = [p for n, p in named if in_muon(n, p)]
+        rest = [p for n, p in named if not in_muon(n, p)]
+        groups = [{"params": matrices}, {"params": rest, "use_muon": False}]
+        optimizer = Muon(groups, lr=spec.lr, momentum=0.95, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
     model, optimizer = fabric.setup(model, optimizer)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -377,11 +419,13 @@ def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
         loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         fabric.backward(loss)
         t1 = _now(spec)
-        optimizer.step()
+        with _probe(spec, out):
+            optimizer.step()
         optimizer.zero_grad()
         return t1 - t0, _now(spec) - t1
 
     _loop(spec, fabric.device, step, out)
+    out["model_state_bytes_per_param"] = _model_state_per_param(fabric.strategy.model.optimizer)
 
 
 def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
@@ -395,7 +439,7 @@ def _run_fsdp2(arm: str, spec: Spec, out: dict) -> None:
         torch.cuda.set_device(device)
     out["before_model_bytes"] = _status_bytes("self", *HELD)
     with torch.device("meta"):
-        model = _gpt(spec).to(torch.bfloat16)
+        model = build_gpt(spec).to(torch.bfloat16)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -492,9 +536,125 @@ def _now(spec: Spec) -> float:
     return time.perf_counter()
 
 
+def _model_state_per_param(zero_optimizer: object) -> float:
+    """This rank's model state per parameter of its partition, from the live buffers of a ZeRO-3 optimizer."""
+    from lightning_pure_bf16.memory import zero3_model_state_report
+
+    return zero3_model_state_report(zero_optimizer)["total"]
+
+
+class StepProbe:
+    """What one optimizer step does on this rank, measured while it runs: every tensor an operation allocates inside
+    it (a ``TorchDispatchMode``: an output whose storage no input shares), alive from then until it is freed, with the
+    peak of their sum (``peak_bytes``); and the bytes of the tensors handed to each ``torch.distributed`` collective
+    (``exchanged``, by name: what this rank sends or receives through it). Allocations made inside compiled
+    extensions without torch's dispatcher (this package's C++ loop, chunk-sized) are not seen."""
+
+    COLLECTIVES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "reduce_scatter",
+        "gather",
+        "scatter",
+        "broadcast",
+        "all_to_all_single",
+    )
+
+    def __init__(self) -> None:
+        self.live = self.peak_bytes = 0
+        self.exchanged: dict[str, int] = {}
+        self._alive: dict[int, object] = {}
+
+    def __enter__(self) -> StepProbe:
+        import torch
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        probe = self
+
+        class Allocations(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+                out = func(*args, **(kwargs or {}))
+                inputs = {
+                    t.untyped_storage().data_ptr()
+                    for t in tree_leaves((args, kwargs or {}))
+                    if isinstance(t, torch.Tensor)
+                }
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                        probe._allocated(t.untyped_storage())
+                return out
+
+        self._originals = {name: getattr(dist, name) for name in self.COLLECTIVES if hasattr(dist, name)}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counted(name, original))
+        self._mode = Allocations()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        self._mode.__exit__(*exc)
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _allocated(self, storage: object) -> None:
+        import weakref
+
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if not nbytes or key in self._alive:
+            return
+        self.live += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live)
+
+        def freed(_: object, key: int = key, nbytes: int = nbytes) -> None:
+            self.live -= nbytes
+            self._alive.pop(key, None)
+
+        self._alive[key] = weakref.ref(storage, freed)
+
+    def _counted(self, name: str, original: object) -> object:
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        def collective(*args: object, **kwargs: object) -> object:
+            tensors = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.exchanged[name] = self.exchanged.get(name, 0) + nbytes
+            return original(*args, **kwargs)
+
+        return collective
+
+
+_PROBING: list[bool] = [False]  # whether the step running now is the one to measure
+
+
+def _probe(spec: Spec, out: dict) -> object:
+    """A :class:`StepProbe` around the optimizer step of the step being measured (its figures into ``out``), else
+    nothing."""
+    import contextlib
+
+    if not _PROBING[0]:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def probed() -> object:
+        with StepProbe() as probe:
+            yield
+        out["step_alloc_peak_bytes"] = probe.peak_bytes
+        out["step_exchanged_bytes"] = probe.exchanged
+
+    return probed()
+
+
 def _loop(spec: Spec, device: object, step: object, out: dict) -> None:
     batches = _batches(spec, device)
     for i, (x, y) in enumerate(batches):
+        _PROBING[0] = spec.probe_step and i == len(batches) - 1
         fwd_bwd, opt = step(x, y)
         out["steps_done"] = i + 1
         if i >= spec.warmup:

@@ -55,9 +55,9 @@ from _arms import (  # noqa: E402
     Spec,
     _batches,
     _deepspeed_config,
-    _gpt,
     _PeakSampler,
     _status_bytes,
+    build_gpt,
     ranks_environment,
     start_ranks,
 )
@@ -133,7 +133,7 @@ def _run_ours(spec: Spec, work: Path, phases: _Phases, shard: str) -> None:
     fabric = Fabric(accelerator="cpu", devices=spec.world_size, strategy=DeepSpeedPureBF16FabricStrategy())
     fabric.launch()
     with phases.phase("construction"), fabric.init_module():
-        model = _gpt(spec)
+        model = build_gpt(spec)
     with phases.phase("load pretrained"):
         lightning_pure_bf16.load_pretrained(model, work / "pretrained")
     with phases.phase("setup"):
@@ -175,7 +175,7 @@ def _run_world_size_trainer(spec: Spec, work: Path, phases: _Phases, stage: str)
     class GPTModule(LightningModule):
         def configure_model(self) -> None:
             if not hasattr(self, "gpt"):
-                self.gpt = _gpt(spec)  # partitioned as it is built (the strategy's zero.Init)
+                self.gpt = build_gpt(spec)  # partitioned as it is built (the strategy's zero.Init)
 
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
             x, y = batch
@@ -239,7 +239,7 @@ def _run_world_size(spec: Spec, work: Path, phases: _Phases, stage: str) -> None
     fabric = Fabric(accelerator="cpu", devices=spec.world_size, strategy=DeepSpeedPureBF16FabricStrategy())
     fabric.launch()
     with fabric.init_module():
-        model = _gpt(spec)
+        model = build_gpt(spec)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if stage == "source":
@@ -275,7 +275,7 @@ def _run_deepspeed(spec: Spec, work: Path, phases: _Phases, shard: str) -> None:
     config = _deepspeed_config("ds_bf16_mixed", spec)
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     with phases.phase("construction"), deepspeed.zero.Init(config_dict_or_path=config):
-        model = _gpt(spec)
+        model = build_gpt(spec)
     with phases.phase("setup"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -323,7 +323,7 @@ def _write_pretrained(spec: Spec, where: Path, shard: str) -> None:
     from lightning_pure_bf16 import save_pretrained
 
     torch.manual_seed(0)
-    save_pretrained(_gpt(spec).to(torch.bfloat16), where, max_shard_size=shard)
+    save_pretrained(build_gpt(spec).to(torch.bfloat16), where, max_shard_size=shard)
 
 
 def _launch(arm: str, spec: Spec, work: Path, shard: str, timeout_s: float) -> list[list[dict]]:
@@ -384,7 +384,7 @@ def _largest_tensor_bytes(spec: Spec) -> int:
     import torch
 
     with torch.device("meta"):
-        model = _gpt(spec)
+        model = build_gpt(spec)
     return max(p.numel() for p in model.parameters()) * 2
 
 

@@ -34,7 +34,7 @@ import torch
 from lightning_pure_bf16 import _internals, checkpoint, engine_checkpoints, presets, zero3_engine
 from lightning_pure_bf16._warnings import silence_known_warnings
 from lightning_pure_bf16.adoption import adopt_optimizer, prepare_for_zero3, rebind_scheduler
-from lightning_pure_bf16.optim import Adam, AdamW, Lion, PureBF16Optimizer
+from lightning_pure_bf16.optim import Adam, AdamW, Lion, Muon, PureBF16Optimizer
 from lightning_pure_bf16.optim.options import OptimizerOptions
 
 NAME = "lightning_pure_bf16.deepspeed"
@@ -45,7 +45,39 @@ _CONFIG_OPTIMIZERS = {
     "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"},
     "adamw": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"},
     "lion": {"lr", "betas", "weight_decay"},
+    # DeepSpeed's Muon: a shared lr (muon_lr and adam_lr override it per half), Muon's momentum, Adam's betas and eps.
+    "muon": {"lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "betas", "eps"},
 }
+
+
+def deepspeed_muon_rule(name: str, p: torch.Tensor) -> bool:
+    """Whether DeepSpeed's Muon orthogonalizes parameter ``name`` (``deepspeed.set_optimizer_flags``): two or more
+    dimensions as a layer (``ds_shape`` under ``zero.Init``) and a name without ``embed`` or ``lm_head``; the rest
+    (embeddings, the output layer, biases, norms) is stepped by AdamW."""
+    shape = getattr(p, "ds_shape", None) or p.shape
+    return len(shape) >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def _muon_groups(hp: dict[str, Any], params: list[Any], model: torch.nn.Module | None) -> list[dict[str, Any]]:
+    """The param groups of a config's ``"type": "Muon"``: the parameters split by :func:`deepspeed_muon_rule`, each
+    half with its settings (DeepSpeed's ``_muon_param_groups``)."""
+    if any(isinstance(p, dict) for p in params) or model is None:
+        raise ValueError(
+            f'`{WHO}`: a config\'s `"type": "Muon"` splits the model\'s parameters by their names, which'
+            " `model_parameters` given as param groups (or no model) do not give. Pass the optimizer as `optimizer`:"
+            " `lightning_pure_bf16.Muon` with a group of `use_muon=False` for the rest."
+        )
+    given = {id(p) for p in params}
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in given]
+    muon = {k: hp[k] for k in ("lr", "momentum", "weight_decay") if k in hp}
+    adam = {k: hp[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hp}
+    muon.update({"lr": hp["muon_lr"]} if "muon_lr" in hp else {})
+    adam.update({"lr": hp["adam_lr"]} if "adam_lr" in hp else {})
+    groups = [
+        {"params": [p for n, p in named if deepspeed_muon_rule(n, p)], **muon},
+        {"params": [p for n, p in named if not deepspeed_muon_rule(n, p)], "use_muon": False, **adam},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def _load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
@@ -59,13 +91,17 @@ def _load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str,
     return json.loads(path.read_text())
 
 
-def _optimizer_from_config(section: dict[str, Any], params: Any, options: OptimizerOptions) -> PureBF16Optimizer:
-    """This package's optimizer from a DeepSpeed ``"optimizer"`` section (``{"type": "AdamW", "params": {...}}``)."""
+def _optimizer_from_config(
+    section: dict[str, Any], params: Any, options: OptimizerOptions, model: torch.nn.Module | None = None
+) -> PureBF16Optimizer:
+    """This package's optimizer from a DeepSpeed ``"optimizer"`` section (``{"type": "AdamW", "params": {...}}``);
+    ``"type": "Muon"`` is this package's ``Muon`` (``torch.optim.Muon``'s arithmetic) over the parameters DeepSpeed's
+    Muon would orthogonalize (:func:`deepspeed_muon_rule`), AdamW over the rest."""
     kind = str(section.get("type", "")).lower()
     if kind not in _CONFIG_OPTIMIZERS:
         raise ValueError(
-            f"`{WHO}`: the config's optimizer is {section.get('type')!r}; pure bf16 builds Adam, AdamW and Lion from"
-            ' the config. Use `"type": "AdamW"`, or pass the optimizer as `optimizer` (a torch.optim.AdamW, Adam,'
+            f"`{WHO}`: the config's optimizer is {section.get('type')!r}; pure bf16 builds Adam, AdamW, Lion and Muon"
+            ' from the config. Use `"type": "AdamW"`, or pass the optimizer as `optimizer` (a torch.optim.AdamW, Adam,'
             " SGD, Adafactor or Muon, or this package's AdamW, Adam, Lion, SGD, Adafactor or Muon)."
         )
     hp = dict(section.get("params", {}))
@@ -73,11 +109,14 @@ def _optimizer_from_config(section: dict[str, Any], params: Any, options: Optimi
         hp["betas"] = tuple(hp["betas"])
     unknown = sorted(set(hp) - _CONFIG_OPTIMIZERS[kind])
     if unknown:
-        raise ValueError(f"`{WHO}`: the config's optimizer params {unknown} are not supported by pure bf16.")
+        why = " (its Muon runs torch.optim.Muon's quintic Newton-Schulz)" if kind == "muon" else ""
+        raise ValueError(f"`{WHO}`: the config's optimizer params {unknown} are not supported by pure bf16{why}.")
     if hp.pop("bias_correction", True) is not True:
         raise ValueError(f"`{WHO}`: the config's optimizer asks for `bias_correction: false`, which pure bf16 lacks.")
     if kind == "lion":
         return Lion(params, **hp, **options.optimizer_kwargs())
+    if kind == "muon":
+        return Muon(_muon_groups(hp, list(params), model), **options.optimizer_kwargs())
     hp.pop("torch_adam", None)
     decoupled = hp.pop("adam_w_mode", True)
     cls = AdamW if kind == "adamw" or decoupled else Adam
@@ -188,7 +227,7 @@ def initialize(
     options = settings.optimizer_options
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     if optimizer is None and optimizer_section is not None:
-        optimizer = _optimizer_from_config(optimizer_section, params, options)
+        optimizer = _optimizer_from_config(optimizer_section, params, options, model)
     elif optimizer is None:
         optimizer = AdamW(params, **options.optimizer_kwargs())
     else:

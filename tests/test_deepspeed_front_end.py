@@ -211,6 +211,42 @@ def test_the_hugging_face_front_ends_take_trust_checkpoint_and_refuse_a_non_bool
         pure_bf16.take_options("PureBF16Accelerator", {"trust_checkpoint": 1})
 
 
+def test_a_config_optimizer_section_of_type_muon_splits_the_parameters_by_deepspeeds_rule():
+    # DeepSpeed's Muon orthogonalizes the parameters of two or more dimensions whose names hold neither "embed" nor
+    # "lm_head", under zero.Init too (ds_shape); the rest is AdamW's, each half with its own lr.
+    from lightning_pure_bf16 import Muon
+    from lightning_pure_bf16.deepspeed import _optimizer_from_config
+    from lightning_pure_bf16.optim.options import OptimizerOptions
+
+    model = torch.nn.ModuleDict(
+        {
+            "embed_tokens": torch.nn.Embedding(16, 8),
+            "hidden": torch.nn.Linear(8, 8),
+            "lm_head": torch.nn.Linear(8, 16, bias=False),
+        }
+    ).to(torch.bfloat16)
+    partitioned = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))  # as zero.Init leaves a 4 x 8 matrix
+    partitioned.ds_shape = torch.Size([4, 8])
+    model.register_parameter("partitioned", partitioned)
+    params = [p for p in model.parameters()]
+    section = {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 2e-2, "momentum": 0.9, "betas": [0.8, 0.9]}}
+    built = _optimizer_from_config(section, params, OptimizerOptions(rounding="kahan"), model)
+    muon, adam = built.param_groups
+    assert type(built) is Muon and built.defaults["rounding"] == "kahan"
+    assert {id(p) for p in muon["params"]} == {id(model["hidden"].weight), id(partitioned)}
+    assert muon["use_muon"] and muon["lr"] == 2e-2 and muon["momentum"] == 0.9
+    assert {id(p) for p in adam["params"]} == {
+        id(model["embed_tokens"].weight),
+        id(model["hidden"].bias),
+        id(model["lm_head"].weight),
+    }
+    assert not adam["use_muon"] and adam["lr"] == 1e-3 and adam["betas"] == (0.8, 0.9)
+    with pytest.raises(ValueError, match=r"params \['ns_method'\] are not supported.*quintic Newton-Schulz"):
+        _optimizer_from_config({"type": "Muon", "params": {"ns_method": "gram"}}, params, OptimizerOptions(), model)
+    with pytest.raises(ValueError, match="splits the model's parameters by their names"):
+        _optimizer_from_config({"type": "Muon"}, [{"params": params}], OptimizerOptions(), model)
+
+
 def test_a_config_optimizer_section_of_type_lion_builds_this_packages_lion():
     from lightning_pure_bf16 import Lion
     from lightning_pure_bf16.deepspeed import _optimizer_from_config

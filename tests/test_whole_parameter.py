@@ -328,6 +328,16 @@ def test_bad_options_are_refused_by_name(make, match):
         make([torch.zeros(4, requires_grad=True), torch.zeros(3, 4, requires_grad=True)])
 
 
+def test_muon_reads_the_layer_shape_of_a_parameter_zero3_partitioned_at_construction():
+    # Under deepspeed.zero.Init (Fabric's init_module, from_pretrained under ZeRO-3) a parameter is an empty
+    # placeholder whose shape as a layer is ds_shape: a matrix there is accepted, a vector still refused by name.
+    matrix, vector = (torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16)) for _ in range(2))
+    matrix.ds_shape, vector.ds_shape = torch.Size([8, 4]), torch.Size([8])
+    Muon([matrix])
+    with pytest.raises(ValueError, match=r"a parameter of shape \(8,\) is in a Muon group"):
+        Muon([vector])
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_slices_for_gradient_release_are_refused(name):
     ours, *_ = ALGORITHMS[name]

@@ -193,7 +193,7 @@ class Muon(PureBF16Optimizer):
         lr, mu = float(group["lr"]), float(group["momentum"])
         owners = _owners(pieces)
         for q, owner in zip(pieces.pieces, owners):
-            run = torch.zeros(q.span, dtype=torch.bfloat16, device=flat_p.device)
+            run = torch.zeros(q.span, dtype=torch.bfloat16, device=flat_p.device)  # this rank's run, padded
             for begin, end in _chunks(offset + q.offset, q.numel, self.chunk_size):
                 g = flat_g[q.offset + begin : q.offset + end].to(torch.float32, copy=True)
                 if grad_scale != 1.0:
@@ -206,7 +206,9 @@ class Muon(PureBF16Optimizer):
                     index = torch.arange(end - begin, dtype=torch.int32, device=flat_p.device)
                     stored.copy_(round_states([m], group["rounding"], key, offset + q.offset + begin, index)[0])
                 run[begin:end] = (g.lerp_(m, mu) if group["nesterov"] else m).bfloat16()
-            direction = _orthogonalized_run(run, q, owner, pieces, group)
+            runs = [run]
+            del run  # _orthogonalized_run's now: a whole matrix on one rank is freed as it is orthogonalized
+            direction = _orthogonalized_run(runs, q, owner, pieces, group)
             self.write_direction(
                 p,
                 group,
@@ -223,37 +225,60 @@ def newton_schulz(
 ) -> torch.Tensor:
     """The quintic Newton-Schulz orthogonalization of a matrix, in bf16, as ``torch.optim.Muon`` computes it: the
     matrix (transposed to be wide) divided by its Frobenius norm (at least ``eps``), then ``steps`` iterations
-    ``X = a X + (b A + c A A) X`` with ``A = X X^T``."""
+    ``X = a X + (b A + c A A) X`` with ``A = X X^T``. ``matrix`` is left as it is."""
+    return _newton_schulz([matrix.to(torch.bfloat16, copy=True)], coefficients, steps, eps)
+
+
+def _newton_schulz(
+    holder: list[torch.Tensor], coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """:func:`newton_schulz` of the bf16 matrix ``holder`` holds, which it takes out and divides in place (as
+    ``torch.optim.Muon`` divides its gradient's bf16 copy): given the only reference, the matrix is freed at the first
+    iteration, so at most three matrices are alive at once (the iterate, ``A`` or ``b A + c A A``, and the next
+    iterate; ``A`` is square in the smaller dimension)."""
     a, b, c = coefficients
-    x = matrix.bfloat16()
+    x = holder.pop()
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
-    x = x.div(x.norm().clamp(min=eps))
+    x.div_(x.norm().clamp(min=eps))
     for _ in range(steps):
         gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        del gram
+        x = torch.addmm(x, update, x, beta=a)
+        del update
     return x.T if tall else x
 
 
-def _orthogonalized_run(run: torch.Tensor, q: Piece, owner: int, pieces: Pieces, group: dict[str, Any]) -> torch.Tensor:
-    """This rank's run of the orthogonalized matrix whose run is ``run`` (``q.span`` elements, bf16): the owner
-    gathers every rank's run, orthogonalizes, and scatters the runs back."""
+def _orthogonalized_run(
+    runs: list[torch.Tensor], q: Piece, owner: int, pieces: Pieces, group: dict[str, Any]
+) -> torch.Tensor:
+    """This rank's run of the orthogonalized matrix whose run ``runs`` holds (``q.span`` elements, bf16; taken out, so
+    that a whole matrix on one rank is freed as it is orthogonalized): the owner
+    gathers every rank's run into one buffer, orthogonalizes it in place of that buffer, and scatters the runs back.
+    Above the model state the owner holds at most three copies of the matrix at once (:func:`_newton_schulz`), the
+    other ranks a run."""
     world = pieces.world_size()
 
-    def orthogonalize(flat: torch.Tensor) -> torch.Tensor:
-        out = newton_schulz(
-            flat[: q.total].view(q.shape), group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
-        )
-        return torch.nn.functional.pad(out.reshape(-1), (0, flat.numel() - q.total))
+    def orthogonalize(holder: list[torch.Tensor]) -> torch.Tensor:
+        flat = holder.pop()
+        n = flat.numel()
+        holder.append(flat[: q.total].view(q.shape))
+        del flat
+        matrix = _newton_schulz(holder, group["ns_coefficients"], int(group["ns_steps"]), group["eps"])
+        out = matrix.new_zeros(n)  # the padding of the last rank's run stays zero
+        out[: q.total].view(q.shape).copy_(matrix)
+        return out
 
     if world == 1:
-        return orthogonalize(run)
+        return orthogonalize(runs)
+    run = runs.pop()
     dist = torch.distributed
     rank, source = pieces.rank(), dist.get_global_rank(pieces.group, owner)
-    runs = [torch.empty_like(run) for _ in range(world)] if rank == owner else None
-    dist.gather(run, runs, dst=source, group=pieces.group)
-    pieces_back = list(orthogonalize(torch.cat(runs)).chunk(world)) if runs is not None else None
+    holder = [torch.empty(world * run.numel(), dtype=run.dtype, device=run.device)] if rank == owner else []
+    dist.gather(run, list(holder[0].chunk(world)) if holder else None, dst=source, group=pieces.group)
+    pieces_back = list(orthogonalize(holder).chunk(world)) if holder else None
     out = torch.empty_like(run)
     dist.scatter(out, pieces_back, src=source, group=pieces.group)
     return out

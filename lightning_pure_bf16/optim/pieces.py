@@ -84,7 +84,12 @@ def of_tensor(p: torch.Tensor, name: str = "") -> Pieces:
     """
     shape = tuple(p.shape)
     if not sharded.is_dtensor(p):
-        return Pieces((Piece(name, shape, 0, 0, p.numel(), p.numel()),))
+        # A parameter ZeRO-3 partitioned at construction (``deepspeed.zero.Init``, Fabric's ``init_module``) is an
+        # empty placeholder whose shape as a layer is ``ds_shape``; what the engine steps in its place is described
+        # by ``set_pieces`` once the engine is set up.
+        shape = tuple(getattr(p, "ds_shape", None) or shape)
+        numel = math.prod(shape)
+        return Pieces((Piece(name, shape, 0, 0, numel, numel),))
     from torch.distributed.tensor import Replicate, Shard
 
     placements = tuple(p.placements)
