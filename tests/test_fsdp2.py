@@ -123,7 +123,8 @@ LIGHTNING = ("fsdp2_pure_bf16", "fsdp2_pure_bf16_int8_kahan", "fsdp2_pure_bf16_r
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_lightning")
-    run_script("fsdp2_lightning.py", out, json.dumps({"strategies": list(LIGHTNING), "refusals": True, "clip": 1e-3}))
+    opts = {"strategies": list(LIGHTNING), "refusals": True, "clip": 1e-3, "optimizers": ["torch_adafactor", "muon"]}
+    run_script("fsdp2_lightning.py", out, json.dumps(opts))
     return out
 
 
@@ -132,7 +133,7 @@ def test_the_trainer_strategy_converts_the_optimizer_and_resumes_mid_epoch_bit_f
     for rank in range(2):
         result = torch.load(fits / strategy / f"rank{rank}.pt", weights_only=False)
         whole, resumed = result["whole"], result["resumed"]
-        assert whole["optimizer"] == "lightning_pure_bf16.optim.adamw.AdamW" and whole["scheduler_bound"]
+        assert whole["optimizer"] == "lightning_pure_bf16.optim.adamw.AdamW" and whole["scheduler_bound"] == [True]
         # Measured after each backward, from the live shards of parameters, gradients and states.
         grad = 0.0 if strategy.endswith("_release") else 2.0  # released: no gradient shard left at the step
         assert all(r["total"] == pytest.approx(expected, abs=0.01) and r["grad"] == grad for r in whole["reports"])
@@ -156,6 +157,29 @@ def test_the_trainer_strategys_clipping_reaches_the_update_as_a_factor(fits):
     assert ranks[0]["factors"] == ranks[1]["factors"]
     name = next(iter(no_clip["params"]))
     assert not torch.equal(ranks[0]["params"][name], no_clip["params"][name])
+
+
+@pytest.mark.parametrize(
+    ("name", "algorithm", "per_element"),
+    [("torch_adafactor", "Adafactor", set()), ("muon", "Muon", {"exp_avg", "exp_avg_sq"})],
+)
+def test_adafactor_and_muon_train_over_fsdp2s_row_shards(fits, name, algorithm, per_element):
+    # The Trainer strategy adopts torch.optim.Adafactor and takes the package's Muon (AdamW on the biases); each rank
+    # steps its rows of every parameter with the collectives the whole-parameter algorithms need, and every
+    # per-element state is bf16 and sharded like its parameter (Adafactor keeps none: its statistics are float32).
+    # (Their arithmetic over two ranks' rows is tested against torch's in test_whole_parameter.py.)
+    ranks = [torch.load(fits / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in ranks:
+        assert rank["optimizer"].endswith(f".{algorithm}")
+        for key, initial in rank["initial_params"].items():  # every parameter stepped, to finite values
+            assert not torch.equal(rank["params"][key], initial) and rank["params"][key].isfinite().all(), key
+        for key, (dtype, local, param_local) in rank["local_states"].items():
+            assert key.rsplit(".", 1)[1] in per_element, key
+            assert dtype == torch.bfloat16 and local == param_local, key
+        if name == "muon":  # the matrices keep one state, the biases AdamW's two
+            assert {k.rsplit(".", 1)[1] for k in rank["local_states"] if k.endswith("weight.exp_avg_sq")} == set()
+    for key in ranks[0]["params"]:  # the ranks agree on the whole model
+        assert torch.equal(ranks[0]["params"][key], ranks[1]["params"][key]), key
 
 
 def test_gradient_release_under_fsdp2_gives_the_bits_of_the_step(fits):

@@ -19,16 +19,17 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-import lightning_pure_bf16  # noqa: F401  (registers the strategies)
+import lightning_pure_bf16  # registers the strategies
 
 STEPS = 4
 
 
 class Sharded(LightningModule):
-    def __init__(self, shard: bool = True) -> None:
+    def __init__(self, shard: bool = True, optimizer: str = "adamw") -> None:
         super().__init__()
         self.model = MLP(64)
         self.shard = shard
+        self.optimizer = optimizer
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -48,6 +49,13 @@ class Sharded(LightningModule):
         return loss
 
     def configure_optimizers(self):  # noqa: ANN201
+        if self.optimizer == "torch_adafactor":
+            return torch.optim.Adafactor(self.model.parameters(), lr=1e-2)
+        if self.optimizer == "muon":  # the package's own form: its matrices orthogonalized, AdamW on the biases
+            matrices = [p for p in self.model.parameters() if p.ndim == 2]
+            rest = [p for p in self.model.parameters() if p.ndim != 2]
+            groups = [{"params": matrices}, {"params": rest, "use_muon": False}]
+            return lightning_pure_bf16.Muon(groups, lr=2e-2, weight_decay=0.01)
         optimizer = torch.optim.AdamW(param_groups(self.model), lr=1e-2, betas=(0.9, 0.95))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -59,6 +67,10 @@ class Record(Callback):
         self.reports: list[dict] = []
         self.lrs: list[float] = []
         self.batches: list[float] = []
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.initial = {n: p.detach().full_tensor().clone() for n, p in pl_module.model.named_parameters()}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
         self.reports.append(trainer.strategy.memory_report())  # gradients exist here: measured, not assumed
@@ -69,7 +81,14 @@ class Record(Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = True, clip: float | None = None) -> dict:
+def fit(
+    out: Path,
+    strategy: str,
+    ckpt_path: str | None = None,
+    shard: bool = True,
+    clip: float | None = None,
+    optimizer: str = "adamw",
+) -> dict:
     seed_everything(0)
     record = Record()
     # Every 2 steps (mid-epoch: 4 batches per epoch and rank) a checkpoint, a DCP folder.
@@ -85,7 +104,7 @@ def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = Tr
         callbacks=[record, every],
         gradient_clip_val=clip,
     )
-    module = Sharded(shard)
+    module = Sharded(shard, optimizer)
     trainer.fit(module, DataLoader(data(64), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
     optimizer = trainer.optimizers[0]
     params = {n: p.detach().full_tensor().clone() for n, p in module.model.named_parameters()}
@@ -95,16 +114,24 @@ def fit(out: Path, strategy: str, ckpt_path: str | None = None, shard: bool = Tr
         for k, v in optimizer.state[p].items()
         if hasattr(v, "full_tensor")
     }
+    local_states = {  # what each rank holds of every state: per-element states sharded like their parameter
+        f"{n}.{k}": (v.dtype, tuple(v.to_local().shape) if hasattr(v, "to_local") else None, tuple(p.to_local().shape))
+        for n, p in module.model.named_parameters()
+        for k, v in optimizer.state[p].items()
+        if isinstance(v, torch.Tensor) and v.ndim
+    }
     return {
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__name__}",
         "seed": optimizer.seed,
-        "scheduler_bound": trainer.lr_scheduler_configs[0].scheduler.optimizer is optimizer,
+        "scheduler_bound": [c.scheduler.optimizer is optimizer for c in trainer.lr_scheduler_configs],
         "losses": record.losses,
         "lrs": record.lrs,
         "batches": record.batches,
         "reports": record.reports,
         "params": params,
+        "initial_params": record.initial,
         "states": states,
+        "local_states": local_states,
         "rank": trainer.global_rank,
         "optimizer_object": optimizer,
     }
@@ -146,6 +173,11 @@ def main(out: Path, opts: dict) -> None:
         clipped.pop("optimizer_object")
         clipped |= {"factors": factors, "stepped": stepped}
         torch.save(clipped, out / f"clip_rank{clipped['rank']}.pt")
+    for name in opts.get("optimizers", []):
+        # Whole-parameter algorithms over FSDP2's row shards: a fit of STEPS steps, what each rank held.
+        result = fit(out / name, "fsdp2_pure_bf16", optimizer=name)
+        result.pop("optimizer_object")
+        torch.save(result, out / f"{name}_rank{result['rank']}.pt")
     for strategy in opts.get("strategies", ["fsdp2_pure_bf16"]):
         where = out / strategy
         where.mkdir(parents=True, exist_ok=True)
