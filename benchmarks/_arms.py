@@ -536,11 +536,14 @@ def _now(spec: Spec) -> float:
     return time.perf_counter()
 
 
-def _model_state_per_param(zero_optimizer: object) -> float:
-    """This rank's model state per parameter of its partition, from the live buffers of a ZeRO-3 optimizer."""
+def _model_state_per_param(zero_optimizer: object) -> dict[str, float]:
+    """This rank's model state per parameter of its partition, by category and in total, from the live buffers of a
+    ZeRO-3 optimizer (``lightning_pure_bf16.memory.zero3_model_state_report``)."""
     from lightning_pure_bf16.memory import zero3_model_state_report
 
-    return zero3_model_state_report(zero_optimizer)["total"]
+    report = zero3_model_state_report(zero_optimizer)
+    counts = ("params_on_rank", "frozen_params_on_rank", "whole_model")  # not bytes per parameter of the partition
+    return {k: v for k, v in report.items() if k not in counts and isinstance(v, float) and (v or k == "total")}
 
 
 class StepProbe:

@@ -62,7 +62,10 @@ def measure(arm: str, spec: Spec) -> dict:
         "arm": arm,
         "ok": True,
         "params": r["params"],
-        "model_state_B_per_param": round(max(x["model_state_bytes_per_param"] for x in ranks), 3),
+        "model_state_B_per_param": round(max(x["model_state_bytes_per_param"]["total"] for x in ranks), 3),
+        "model_state_by_category": "; ".join(
+            f"{k} {v:.2f}" for k, v in ranks[0]["model_state_bytes_per_param"].items() if k not in ("total",)
+        ),
         "tokens_per_s": round(tokens / statistics.median(a + b for a, b in zip(fwd_bwd, opt)), 1),
         "fwd_bwd_s": round(statistics.median(fwd_bwd), 4),
         "step_s": round(statistics.median(opt), 4),
@@ -130,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         f" matrix Muon orthogonalizes is `{name}` {shape}: {matrix_bytes / MIB:.2f} MiB in bf16, so the bound on the"
         f" step's allocations is 3 x {matrix_bytes / MIB:.2f} + 128 = {bound / MIB:.2f} MiB.",
         "",
-        "| arm | model state B/param | tokens/s | vs DeepSpeed's Muon | fwd+bwd s | step s | step allocates at"
-        " its peak, MiB | step exchanges, MiB per rank (by collective) | peak resident GiB, both ranks |",
+        "| arm | model state B/param (rank 0, by category) | tokens/s | vs DeepSpeed's Muon | fwd+bwd s | step s"
+        " | step allocates at its peak, MiB | step exchanges, MiB per rank (by collective) | peak resident GiB, both"
+        " ranks |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ratio = f"{r['tokens_per_s'] / reference['tokens_per_s']:.2f}x" if reference else ""
         lines.append(
-            f"| {ARMS[r['arm']]} | {r['model_state_B_per_param']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} |"
+            f"| {ARMS[r['arm']]} | **{r['model_state_B_per_param']:.2f}** ({r['model_state_by_category']}) |"
+            f" {r['tokens_per_s']:,.0f} | {ratio} |"
             f" {r['fwd_bwd_s']:.3f} | {r['step_s']:.3f} | {r['step_alloc_peak_mib']:.2f} |"
             f" {r['step_exchanged_mib']:.2f} ({r['step_collectives']}) | {r['peak_rss_gib']:.3f} |"
         )

@@ -19,7 +19,13 @@ from lightning_pure_bf16.optim.options import (
     OptimizerOptions,
 )
 from lightning_pure_bf16.presets import GPU_BUCKET, PureBF16Settings, register_presets
-from lightning_pure_bf16.zero3_engine import EngineRun, after_engine_setup, engine_run, inner_optimizer, memory_report
+from lightning_pure_bf16.zero3_engine import (
+    EngineHandle,
+    after_engine_setup,
+    engine_handle,
+    inner_optimizer,
+    memory_report,
+)
 from lightning_pure_bf16.zero_checkpoint import ZeroCheckpoint
 
 
@@ -105,7 +111,7 @@ class LightningFrontEnd:
         """The optimizer backend."""
         return self.optimizer_options.backend
 
-    def _pure_bf16_engine_setup(self, engine: Any) -> EngineRun:
+    def _pure_bf16_engine_setup(self, engine: Any) -> EngineHandle:
         return after_engine_setup(  # held on the engine: engine.pure_bf16
             engine,
             self.strategy_name,
@@ -167,8 +173,8 @@ class LightningFrontEnd:
             ``model_state_per_param`` and ``source`` (CUDA's allocator, or the CPU's resident set); ``None`` before
             setup or where no peak can be measured.
         """
-        run = engine_run(self.model)
-        return run.peak_memory() if run is not None else None
+        handle = engine_handle(self.model)
+        return handle.peak_memory() if handle is not None else None
 
 
 def check_zero3_arguments(who: str, stage: int, kwargs: Mapping[str, Any]) -> None:

@@ -179,9 +179,11 @@ def initialize(
     Args:
         args, model, optimizer, model_parameters, training_data, lr_scheduler, config, config_params: as
             ``deepspeed.initialize`` (``config_params`` is its older name for ``config``, which Accelerate passes).
-            ``optimizer`` may be a ``torch.optim.AdamW``/``Adam`` (converted, hyperparameters and param groups
-            kept) or this package's ``AdamW``/``Adam``; without one, the config's ``"optimizer"`` section (type
-            Adam or AdamW) or else ``AdamW(model_parameters)`` with its defaults is built. ``config`` may hold a
+            ``optimizer`` may be a ``torch.optim.AdamW``, ``Adam``, ``SGD``, ``Adafactor`` or ``Muon`` (converted,
+            hyperparameters and param groups kept) or one of this package's optimizers; without one, the config's
+            ``"optimizer"`` section (type Adam, AdamW, Lion or Muon: this package's ``Muon`` over the parameters
+            DeepSpeed's Muon would orthogonalize, :func:`deepspeed_muon_rule`, AdamW over the rest) or else
+            ``AdamW(model_parameters)`` with its defaults is built. ``config`` may hold a
             ``"pure_bf16"`` section with ``state_storage`` and ``state_dir``, as the strategies' config does.
         rounding, moments, compensation, state_storage, state_dir, seed, backend, gradient_release, gather_cache: as
             :class:`lightning_pure_bf16.DeepSpeedPureBF16Strategy`.
@@ -216,9 +218,19 @@ def initialize(
             f'`{WHO}` got both `optimizer` and an `"optimizer"` section in the config; DeepSpeed refuses that too.'
             " Pass one of them."
         )
-    given = locals()
     settings = presets.PureBF16Settings(
-        who=WHO, strategy_name=NAME, loaded_config=user, **{name: given[name] for name in OPTION_NAMES}
+        who=WHO,
+        strategy_name=NAME,
+        loaded_config=user,
+        rounding=rounding,
+        seed=seed,
+        backend=backend,
+        moments=moments,
+        compensation=compensation,
+        state_storage=state_storage,
+        state_dir=state_dir,
+        gradient_release=gradient_release,
+        gather_cache=gather_cache,
     )
     full = settings.deepspeed_config({"zero_optimization": {"stage": 3}})
     settings.check_engine_config(full)
@@ -266,13 +278,13 @@ def initialize(
     return engine, optimizer, loader, scheduler
 
 
-def _handle(engine: Any, what: str) -> zero3_engine.EngineRun:
-    run = zero3_engine.engine_run(engine)
-    if run is None:
+def _handle(engine: Any, what: str) -> zero3_engine.EngineHandle:
+    handle = zero3_engine.engine_handle(engine)
+    if handle is None:
         raise ValueError(
             f"`{NAME}.{what}` needs an engine made by `{WHO}`; this one was not (got {type(engine).__name__})."
         )
-    return run
+    return handle
 
 
 def save_checkpoint(

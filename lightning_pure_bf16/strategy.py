@@ -341,7 +341,7 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
         before = opt.skipped_steps
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if opt.skipped_steps > before and trainer is not None:  # counted and warned about by the engine's run
+        if opt.skipped_steps > before and trainer is not None:  # counted and warned about by the engine's handle
             for logger in trainer.loggers:
                 logger.log_metrics({"pure_bf16/skipped_steps": float(opt.skipped_steps)}, step=trainer.global_step)
         return output
@@ -349,9 +349,9 @@ class DeepSpeedPureBF16Strategy(core.LightningFrontEnd, DeepSpeedStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        run = zero3_engine.engine_run(self.deepspeed_engine)
-        if run is not None:
-            run.log_peak_memory()
+        handle = zero3_engine.engine_handle(self.deepspeed_engine)
+        if handle is not None:
+            handle.log_peak_memory()
 
 
 # The strategy is named in Lightning's registry as soon as it is defined (the package imports this module when

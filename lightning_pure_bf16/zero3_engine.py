@@ -1,6 +1,6 @@
 """A DeepSpeed engine in pure bf16, the same for every front end: its process group's teardown, its construction (the
 master partitions aliased to the bf16 ones), what is set up on a new engine (states allocated, the step's patches,
-gradient release, the gather policy, the memory report) and what is kept for it (:class:`EngineRun`)."""
+gradient release, the gather policy, the memory report) and what is kept for it (:class:`EngineHandle`)."""
 
 from __future__ import annotations
 
@@ -156,8 +156,8 @@ def after_engine_setup(
     *,
     gradient_release: bool = False,
     gather_cache: str = "auto",
-) -> EngineRun:
-    """Set a new engine up for pure bf16 and return what the package keeps for it (:class:`EngineRun`, also
+) -> EngineHandle:
+    """Set a new engine up for pure bf16 and return what the package keeps for it (:class:`EngineHandle`, also
     ``engine.pure_bf16``): every sub-group's optimizer state allocated now (a shortage shows at setup), the step
     given views of the gradient partition instead of copies, its clip factor applied inside the update (no pass of
     its own) and a gradient norm read in one pass, gradient release if asked (which frees the gradient partition),
@@ -194,12 +194,12 @@ def after_engine_setup(
         )
     meter = PeakMeter(device)
     gather_policy = gather.NextLayerIfItFits(engine, meter, strategy_name) if gather_cache == "auto" else None
-    run = EngineRun(engine, strategy_name, meter, release, gather_policy)
+    handle = EngineHandle(engine, strategy_name, meter, release, gather_policy)
     meter.reset()
-    return run
+    return handle
 
 
-class EngineRun:
+class EngineHandle:
     """What this package keeps for one DeepSpeed engine, made by :func:`after_engine_setup` and held the same way by
     every front end (``engine.pure_bf16``): the gradient release, the gather policy, the peak meter, and the one wrap
     of ZeRO-3's step, after which the gather policy decides (once) and a step ZeRO-3 skipped on an inf/NaN gradient is
@@ -267,25 +267,25 @@ class EngineRun:
         rank_zero_info(f"{self.strategy_name}: memory of rank 0 during the fit: " + format_peak(self.peak_memory()))
 
 
-def engine_run(engine: Any) -> EngineRun | None:
-    """What the package keeps for ``engine`` (:class:`EngineRun`), or ``None`` for an engine it did not set up."""
-    run = getattr(engine, "pure_bf16", None)
-    return run if isinstance(run, EngineRun) else None
+def engine_handle(engine: Any) -> EngineHandle | None:
+    """What the package keeps for ``engine`` (:class:`EngineHandle`), or ``None`` for an engine it did not set up."""
+    handle = getattr(engine, "pure_bf16", None)
+    return handle if isinstance(handle, EngineHandle) else None
 
 
 def gradient_release(engine: Any) -> GradientRelease | None:
     """The gradient release installed on this engine, if any."""
-    run = engine_run(engine)
-    return run.release if run is not None else None
+    handle = engine_handle(engine)
+    return handle.release if handle is not None else None
 
 
 __all__ = [
-    "EngineRun",
+    "EngineHandle",
     "after_engine_setup",
     "describe_zero3_partitions",
     "destroy_process_group_at_exit",
     "device_rank",
-    "engine_run",
+    "engine_handle",
     "gradient_release",
     "init_zero3_optimizer_state",
     "initialize_engine",

@@ -360,8 +360,20 @@ def test_the_peak_of_the_fit_is_measured_and_logged_beside_model_state(two_ranks
     assert "memory of rank 0 during the fit:" in log and "GiB at the peak" in log and "no figure per parameter" in log
 
 
-def test_cpu_loop_is_ready_before_the_first_step(default_run):
+def test_cpu_loop_is_loaded_before_the_first_step(default_run):
+    # Loaded at setup (by the strategy, or by the optimizer's constructor), never inside a step, where every rank
+    # would stall on the build.
     assert all(r["cpu_loop_ready_at_first_step"] for r in default_run)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_one_rank_of_a_machine_builds_the_cpu_loop_while_the_others_wait(monkeypatch, local_rank):
+    from lightning_pure_bf16 import presets
+
+    events = []
+    monkeypatch.setattr(presets, "fused_cpu_available", lambda: events.append("load") or True)
+    DeepSpeedPureBF16Strategy().settings.prepare_cpu_loop(local_rank, lambda name: events.append("barrier"))
+    assert events == (["load", "barrier", "load"] if local_rank == 0 else ["barrier", "load"])
 
 
 def test_cpu_fit_on_a_gpu_host_uses_deepspeeds_cpu_accelerator(one_rank):
