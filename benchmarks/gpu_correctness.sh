@@ -12,5 +12,6 @@ source "$(dirname "$0")/_gpu_common.sh"
 # The 8-bit moments' tests first (they failed on the last GPU run; their CPU reference was fixed since).
 limits=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
 step gpu_tests 200 python3 -m pytest -p no:cacheprovider -m gpu -n 8 --dist load $limits -rfE --tb=short \
-    tests/test_int8_states.py tests/test_triton_kernel.py tests/test_gpu.py tests/test_memory.py
+    tests/test_int8_states.py tests/test_triton_kernel.py tests/test_gpu.py tests/test_memory.py tests/test_family.py \
+    tests/test_optimizer_api.py
 finish

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lightning_pure_bf16 import _internals
-from lightning_pure_bf16.optim import KAHAN_KEY, quant, scale_key
+from lightning_pure_bf16.optim import KAHAN_KEY, STATISTICS_KEY, quant, scale_key, statistics_of_pieces
 from lightning_pure_bf16.safe_load import CheckpointError
 from lightning_pure_bf16.zero_checkpoint import ZeroCheckpoint
 
@@ -103,6 +103,18 @@ def _gathered(
     return out
 
 
+def _load_statistics(checkpoint: ZeroCheckpoint, optimizer: Any, master: torch.Tensor) -> None:
+    """The float32 statistics of the live flat partition ``master`` (Adafactor's), from the checkpoint's per
+    parameter: a matrix's rows and columns whole, a vector's elements of this partition's run."""
+    live = optimizer.state[master].get(STATISTICS_KEY)
+    if live is None or not checkpoint.holds_statistics():
+        return
+    for q, part in statistics_of_pieces(optimizer.pieces_of(master), live):
+        saved = checkpoint.statistics(q.name)
+        for key, target in part.items():
+            target.copy_(saved[key] if key != "variance" else saved[key][q.start : q.start + q.numel])
+
+
 @torch.no_grad()
 def load_repartitioned(
     checkpoint: ZeroCheckpoint,
@@ -149,13 +161,16 @@ def load_repartitioned(
         raise _internals.UpstreamChanged(
             f"ZeRO-3 wraps a {type(optimizer).__name__}, not an optimizer of this package."
         )
-    if load_optimizer_states and checkpoint.holds_statistics():
-        raise CheckpointError(
-            f"The checkpoint '{checkpoint.dir}' was saved by {checkpoint.world_size} rank(s) with an optimizer that"
-            " keeps row and column statistics (Adafactor), which cannot be re-partitioned to another world size"
-            " yet. Resume on the saved number of ranks, or load the weights only."
-        )
     masters = _internals.zero3_master_partitions(zero_optimizer)
+    if load_optimizer_states and checkpoint.holds_statistics():  # rows and columns need the same shapes, not sizes
+        for master in (m for m in masters if STATISTICS_KEY in optimizer.state.get(m, {})):
+            for q in optimizer.pieces_of(master).pieces:
+                if checkpoint.places[q.name].shape != q.shape:
+                    raise CheckpointError(
+                        f"Parameter {q.name!r} has shape {q.shape} here and {checkpoint.places[q.name].shape} in the"
+                        f" checkpoint '{checkpoint.dir}', whose optimizer kept row and column statistics: it was saved"
+                        " from another model."
+                    )
     if [m.data_ptr() for m in masters] != [sub.flat.data_ptr() for sub in layout]:
         raise _internals.UpstreamChanged("ZeRO-3's master partitions are not its bf16 parameter partitions.")
     saved_keys = checkpoint.stored_keys()
@@ -191,6 +206,7 @@ def load_repartitioned(
                     optimizer.load_state_range(master, start, values)
             if with_states:
                 optimizer.set_step(master, step)
+                _load_statistics(checkpoint, optimizer, master)
     if not load_optimizer_states:
         return "weights"
     for ours, saved in zip(optimizer.param_groups, checkpoint.param_groups):

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from lightning_pure_bf16.optim import KAHAN_KEY, STATISTICS_KEY, is_scale_key, quant, scale_key
+from lightning_pure_bf16.optim import (
+    KAHAN_KEY,
+    STATISTICS_KEY,
+    is_scale_key,
+    quant,
+    scale_key,
+    statistics_of_pieces,
+    zero3_pieces,
+)
 from lightning_pure_bf16.safe_load import CheckpointError, load_state_file
 from lightning_pure_bf16.shards import TensorSource
 
@@ -158,6 +166,27 @@ class ZeroCheckpoint:
     def holds_statistics(self) -> bool:
         """Whether the optimizer kept statistics that are not per element (Adafactor's rows and columns)."""
         return any(STATISTICS_KEY in self.inner_state(0, sub) for sub in range(len(self.sub_groups)))
+
+    def statistics(self, name: str) -> dict[str, torch.Tensor]:
+        """Parameter ``name``'s float32 statistics that are not per element (Adafactor's), whole: a matrix's
+        ``row_var`` and ``col_var`` (every rank holds them whole: rank 0's), a vector's ``variance`` (each rank holds
+        its run of it: joined in order); empty when the optimizer kept none."""
+        sub_group = self.places[name].sub_group
+        params = [
+            (n, self.places[n].shape, self.places[n].numel, math.ceil(self.places[n].numel / self.world_size))
+            for n in self.sub_groups[sub_group]
+        ]
+        parts = []
+        for rank in range(self.world_size):
+            saved = self.inner_state(rank, sub_group).get(STATISTICS_KEY)
+            if saved is None:
+                return {}
+            pieces = zero3_pieces(params, rank, None)
+            (part,) = [part for q, part in statistics_of_pieces(pieces, saved) if q.name == name]
+            if "variance" not in part:
+                return part  # rows and columns: whole on every rank
+            parts.append(part["variance"])
+        return {"variance": torch.cat(parts)}
 
     def step(self) -> int | None:
         """The optimizer step count (the same in every sub-group; checked in the rank files read so far, rank 0's

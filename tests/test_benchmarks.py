@@ -29,6 +29,7 @@ def test_the_gpu_session_dry_run_checks_every_step_on_the_cpu(tmp_path):
         archive.extractall(tmp_path / "unpacked", filter="data")
     logs = {step: (tmp_path / "unpacked" / "gpu" / f"{step}.log").read_text() for step in steps}
     assert "tests collected" in logs["gpu_tests"] and "test_int8_states.py::" in logs["gpu_tests"]
+    assert "test_family.py::" in logs["gpu_tests"]  # Lion's and SGD's kernels on the device too
     assert "flat 2^27" in logs["optimizer_step"] and "on cuda" in logs["optimizer_step"]
     params = int(logs["gpt_throughput_1b"].split(" parameters")[0].split()[-1].replace(",", ""))
     assert params >= 1_000_000_000 and "fsdp2_bf16" in logs["gpt_throughput_1b"]

@@ -84,11 +84,9 @@ def launches(tmp_path_factory):
         _resave(out / "one", "nodes_to1", out / "nodes" / "final", steps=4),
         {"name": "from_mixed_more", "steps": 3, "ckpt_path": str(mixed), "nan_rank": None},
         *(_resave(out / "one", f"{kind}_to1", out / "two" / kind / "final", 4, optimizer=kind) for kind in FAMILY),
-        {
-            **_resave(out / "one", "adafactor_to1", out / "two" / "torch_adafactor" / "final", 4),
-            "optimizer": "torch_adafactor",
-            "expect_error": True,
-        },
+        _resave(
+            out / "one", "adafactor_to1", out / "two" / "torch_adafactor" / "final", 4, optimizer="torch_adafactor"
+        ),
     ]
     fit_runs(out / "one", runs, devices=1, **RUN)
     to3 = {
@@ -109,6 +107,9 @@ def launches(tmp_path_factory):
         ),
         _resave(
             out / "two", "adafactor_to2", out / "two" / "torch_adafactor" / "final", 4, optimizer="torch_adafactor"
+        ),
+        _resave(
+            out / "two", "adafactor_1to2", out / "one" / "adafactor_to1" / "resaved", 4, optimizer="torch_adafactor"
         ),
         {"name": "another_model", "steps": 9, "ckpt_path": str(step_8), "hidden": 32, "expect_error": True},
     ]
@@ -206,12 +207,27 @@ def test_adafactor_checkpoints_resume_at_the_saved_world_size_with_their_statist
     assert any(a.inner_state(0, s)["statistics"]["row_var"].abs().sum() > 0 for s in range(len(a.sub_groups)))
 
 
-def test_adafactor_checkpoints_are_refused_at_another_world_size_before_anything_is_loaded(launches):
-    """Adafactor's row and column statistics are not per element: a resume on another number of ranks says so and
-    loads nothing (the same number of ranks resumes through DeepSpeed's own load)."""
-    refused = launches / "one" / "adafactor_to1"
-    assert "keeps row and column statistics (Adafactor), which cannot be re-partitioned" in output(refused)
-    assert not (refused / "rank0.pt").exists() and not (refused / "resaved").exists()
+def test_adafactor_checkpoints_resume_at_another_world_size_with_their_statistics(launches):
+    """2 ranks -> 1 -> 2: the weights, the Kahan remainder and the step exactly, and every parameter's float32
+    statistics (a matrix's rows and columns, which every rank holds whole; a vector's elements, each rank its run)
+    as saved; back on 2 ranks every rank's statistics are the source's bit for bit."""
+    src = launches / "two" / "torch_adafactor" / "final"
+    one, back = launches / "one" / "adafactor_to1" / "resaved", launches / "two" / "adafactor_1to2" / "resaved"
+    for hop in (one, back):
+        _assert_same_state(src, hop, kept={"kahan_comp", "step"})
+    a, b, c = (ZeroCheckpoint(x / "checkpoint") for x in (src, one, back))
+    assert (a.world_size, b.world_size, c.world_size) == (2, 1, 2)
+    kinds = set()
+    for name in a.iter_params():
+        sa, sb, sc = a.statistics(name), b.statistics(name), c.statistics(name)
+        kinds.add(tuple(sorted(sa)))
+        assert set(sa) == set(sb) == set(sc) and all(v.abs().sum() > 0 for v in sa.values()), name
+        assert all(torch.equal(sa[k], sb[k]) and torch.equal(sa[k], sc[k]) for k in sa), name
+    assert kinds == {("col_var", "row_var"), ("variance",)}  # matrices and vectors both crossed
+    for rank in range(2):
+        for sub_group in range(len(a.sub_groups)):
+            sa, sc = a.inner_state(rank, sub_group)["statistics"], c.inner_state(rank, sub_group)["statistics"]
+            assert all(torch.equal(sa[k], sc[k]) for k in sa)
 
 
 def test_sub_group_size_changed_too(chain):

@@ -185,22 +185,40 @@ def _dtensor_run(cls, shapes, groups_kw, steps):
     return [p.detach().full_tensor().reshape(-1) for p in params]
 
 
-def _two_ranks(rank, out, name, layout):
+LAYOUTS = ("zero3", "fsdp2")
+
+
+def _two_ranks(rank, out):
+    """Every algorithm in every layout, one after the other in the same two processes (one start for all)."""
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2)
     try:
-        ours, _, shapes, groups = ALGORITHMS[name]
-        if layout == "zero3":
-            runs = _flat_run(ours, shapes, groups, 5, _zero3_pieces(2, dist.group.WORLD), rank)
-        else:
-            runs = _dtensor_run(ours, [s for s in shapes if s], groups, 5)
-        torch.save(runs, out / f"rank{rank}.pt")
+        for name, (ours, _, shapes, groups) in ALGORITHMS.items():
+            for layout in LAYOUTS:
+                if layout == "zero3":
+                    runs = _flat_run(ours, shapes, groups, 5, _zero3_pieces(2, dist.group.WORLD), rank)
+                else:
+                    runs = _dtensor_run(ours, [s for s in shapes if s], groups, 5)
+                torch.save(runs, out / f"{name}_{layout}_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", ["zero3", "fsdp2"])
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_two_ranks, args=(r, out)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+        assert proc.exitcode == 0
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_two_ranks_holding_halves_of_each_parameter_step_it_as_one_process(name, layout, tmp_path):
+def test_two_ranks_holding_halves_of_each_parameter_step_it_as_one_process(name, layout, two_rank_runs):
     """Two processes, each holding the half of every parameter ZeRO-3 would give it (a run cutting across rows, the
     last one padded) or FSDP2 would (a DTensor's rows): the ranks' summed statistics (Adafactor) and the owner's
     orthogonalization (Muon) give the update of the whole parameters in one process."""
@@ -208,14 +226,7 @@ def test_two_ranks_holding_halves_of_each_parameter_step_it_as_one_process(name,
     if layout == "fsdp2":
         shapes = [s for s in shapes if s]  # a 0-dim tensor cannot be sharded by rows
     ref, _ = _run(ours, _init(shapes), groups, 5)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_two_ranks, args=(r, tmp_path, name, layout)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-        assert proc.exitcode == 0
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    results = [torch.load(two_rank_runs / f"{name}_{layout}_rank{r}.pt") for r in range(2)]
     for i, p in enumerate(ref):
         whole = torch.cat([results[0][i], results[1][i]]) if layout == "zero3" else results[1][i]
         torch.testing.assert_close(whole, p.detach().reshape(-1), rtol=2e-6, atol=2e-6)

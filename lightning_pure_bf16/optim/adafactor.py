@@ -194,6 +194,26 @@ def _places(pieces: Pieces) -> list[tuple[Piece, int, int, int]]:
     return out
 
 
+def statistics_of_pieces(
+    pieces: Pieces, statistics: dict[str, torch.Tensor]
+) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
+    """Each piece of a tensor holding ``pieces``, with its part of the tensor's float32 statistics (views): a
+    matrix's whole ``row_var`` and ``col_var`` (summed over the ranks, every rank holds them whole), a vector's
+    ``variance`` of the piece's own elements (``[piece.start, piece.start + piece.numel)`` of the parameter). How a
+    checkpoint's statistics are read per parameter and written into another layout."""
+    out = []
+    for q, rows, cols, variance in _places(pieces):
+        if len(q.shape) >= 2:
+            part = {
+                "row_var": statistics["row_var"][rows : rows + q.rows],
+                "col_var": statistics["col_var"][cols : cols + q.cols],
+            }
+        else:
+            part = {"variance": statistics["variance"][variance : variance + q.numel]}
+        out.append((q, part))
+    return out
+
+
 def _sizes(pieces: Pieces) -> tuple[int, int, int]:
     """Elements of the row, column and vector statistics of a tensor holding ``pieces``."""
     places = _places(pieces)
@@ -210,4 +230,4 @@ def _all_reduce(t: torch.Tensor, pieces: Pieces) -> None:
         torch.distributed.all_reduce(t, group=pieces.group)
 
 
-__all__ = ["Adafactor"]
+__all__ = ["Adafactor", "statistics_of_pieces"]
