@@ -20,7 +20,7 @@ Arms (the ``ARMS`` keys):
 - ``fsdp2_pure_bf16``, ``fsdp2_pure_bf16_int8``: the same with this package's ``AdamW`` over the sharded parameters
   (stochastic rounding; 8-bit moments);
 - ``ds_muon``: DeepSpeed ZeRO-3 bf16 mixed with its own Muon (``"optimizer": {"type": "Muon"}``,
-  ``MuonWithAuxAdam``: fp32 masters, an fp32 momentum for the matrices, fp32 Adam moments for the rest);
+  ``MuonWithAuxAdam``: fp32 masters, the momentum and Adam moments as DeepSpeed keeps them);
 - ``pure_bf16_muon``: this package's Fabric strategy with its ``Muon`` (stochastic rounding, AdamW for the rest). Both
   Muon arms put the same parameters in Muon, by DeepSpeed's rule: every parameter of two or more dimensions whose name
   holds neither ``embed`` nor ``lm_head`` (in this GPT the two position and token embeddings ``wpe``/``wte`` too).
@@ -75,7 +75,7 @@ ARMS = {
     "fsdp2_torchao_sr": "FSDP2 bf16 parameters, torchao _AdamW(bf16_stochastic_round=True)",
     "fsdp2_pure_bf16": "FSDP2 bf16 parameters, this package's AdamW (stochastic rounding)",
     "fsdp2_pure_bf16_int8": "FSDP2 bf16 parameters, this package's AdamW, 8-bit moments",
-    "ds_muon": "DeepSpeed ZeRO-3 bf16 mixed, its own Muon (fp32 masters, momentum and Adam moments)",
+    "ds_muon": "DeepSpeed ZeRO-3 bf16 mixed, its own Muon (fp32 masters)",
     "pure_bf16_muon": "this strategy, Muon (stochastic rounding; AdamW on the rest)",
 }
 OURS = {

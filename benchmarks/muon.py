@@ -2,7 +2,7 @@
 the memory the optimizer step allocates above the model state, and the bytes it exchanges.
 
 Arms (``benchmarks/_arms.py``): ``ds_muon``, DeepSpeed ZeRO-3 bf16 mixed with its ``"optimizer": {"type": "Muon"}``
-(``MuonWithAuxAdam``: fp32 masters, fp32 momentum and Adam moments); ``pure_bf16_muon``, this package's Fabric
+(``MuonWithAuxAdam``: fp32 masters); ``pure_bf16_muon``, this package's Fabric
 strategy with its ``Muon`` (bf16 parameters, gradients and momentum, stochastic rounding; AdamW on the rest). Both
 orthogonalize the same parameters (DeepSpeed's rule: two or more dimensions, no ``embed``/``lm_head`` in the name),
 each arm in fresh processes on the same token batches; ``--arms`` adds the AdamW arms for reference.
