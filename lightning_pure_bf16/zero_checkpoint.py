@@ -77,7 +77,8 @@ class ZeroCheckpoint:
 
     Attributes:
         world_size: the number of ranks that wrote it.
-        optim_files, model_files: each rank's optimizer-state and model-state file, by rank.
+        optim_files: each rank's optimizer-state file, by rank.
+        model_files: each rank's model-state file, by rank.
         model_state: rank 0's model-state file (Lightning's loop state inside).
         places: where each trained parameter lies: its sub-group, its offset in each rank's flat partition, its size.
         sub_groups: the parameter names of each sub-group, in partition order.
