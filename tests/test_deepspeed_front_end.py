@@ -153,7 +153,7 @@ def test_the_configs_optimizer_section_and_options_are_honoured(ds_out):
     [
         ({"fp16": {"enabled": True}}, {}, "fp16.enabled"),
         ({"zero_optimization": {"stage": 2}}, {}, "stage: 2"),
-        ({"optimizer": {"type": "SGD"}}, {}, "pure bf16 builds Adam, AdamW and Lion from the config"),
+        ({"optimizer": {"type": "SGD"}}, {}, "pure bf16 builds Adam, AdamW, Lion and Muon from the config"),
         ({"data_types": {"grad_accum_dtype": "fp32"}}, {}, "grad_accum_dtype"),
         ({}, {"rounding": "up"}, "rounding"),
         ({}, {"trust_checkpoint": "yes"}, "trust_checkpoint='yes'"),
