@@ -225,11 +225,16 @@ def _algorithm(algorithm: Algorithm, states: int, variant: int) -> dict[str, int
 # The other algorithms as the strategies launch them: their usual variant (Lion and SGD with weight decay, SGD with
 # Nesterov momentum), bf16 gradient, 32-bit sizes, aligned, each rounding with bf16 states and stochastic rounding
 # with 8-bit ones.
-FAMILY = {"lion": (Algorithm.LION, 1, 1), "sgd_momentum": (Algorithm.SGD, 1, 3), "sgd": (Algorithm.SGD, 0, 1)}
+FAMILY = {
+    "lion": (Algorithm.LION, 1, 1),
+    "sgd_momentum": (Algorithm.SGD, 1, 3),
+    "sgd": (Algorithm.SGD, 0, 1),
+    "muon_write": (Algorithm.DIRECTION, 0, 1),  # Muon's orthogonalized momentum written, with decoupled decay
+}
 
 
 def compile_family(archs: tuple[int, ...]) -> list[dict]:
-    """The kernel for Lion and SGD (with and without momentum), as launched; one row per build."""
+    """The kernel for Lion, SGD (with and without momentum) and Muon's write, as launched; one row per build."""
     rows = []
     formats = [(rounding, False) for rounding in ROUNDING_CODES] + [("stochastic", True)]
     for arch, name, (rounding, q8m) in itertools.product(archs, FAMILY, formats):
@@ -255,7 +260,7 @@ def compile_family(archs: tuple[int, ...]) -> list[dict]:
                 "arch": f"sm_{arch}",
                 "algorithm": name,
                 "rounding": f"{rounding} (int8 moments)" if q8m else rounding,
-                "weight_decay": "decoupled" if algorithm is Algorithm.LION else "L2",
+                "weight_decay": "L2" if algorithm is Algorithm.SGD else "decoupled",
                 "grad": "bf16",
                 "ints": "i32",
                 "aligned": True,

@@ -88,6 +88,26 @@ def test_bf16_weights_follow_torch_and_keep_bf16_states(name, rounding):
     assert all(v.dtype == torch.bfloat16 for v in kept.values())
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+def test_muons_bf16_write_is_the_same_bytes_on_every_backend(rounding):
+    # The orthogonalized momentum is bf16: the fused kernels (Triton through its interpreter, the C++ loop) write it
+    # as the PyTorch path does, weights and Kahan remainders byte for byte, decay and both groups' step sizes included.
+    from lightning_pure_bf16.optim import fused_cpu_available
+
+    pytest.importorskip("triton")
+    _, _, shapes, groups = ALGORITHMS["muon"]
+    backends = ["torch", "triton", *(["cpu"] if fused_cpu_available() else [])]
+    results = {}
+    for backend in backends:
+        params, opt = _run(Muon, _init(shapes, torch.bfloat16), groups, 3, rounding=rounding, seed=5, backend=backend)
+        states = [v for p in params for k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor) and v.ndim]
+        results[backend] = [t.detach().reshape(-1).view(torch.int16) for t in (*params, *states)]
+    reference = results.pop("torch")
+    assert len(results) == len(backends) - 1
+    for backend, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, reference)), backend
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_updates_of_a_tenth_of_an_ulp_move_the_weights_stochastically_only(name):
     """Steps far below half a bf16 spacing: stochastic rounding moves the weights by their average, nearest leaves

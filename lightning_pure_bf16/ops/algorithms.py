@@ -33,7 +33,7 @@ class Algorithm(IntEnum):
     ADAM = 0
     LION = 1
     SGD = 2
-    DIRECTION = 3  # the PyTorch path only: Adafactor's and Muon's write (see DirectionArgs)
+    DIRECTION = 3  # the write of Adafactor's and Muon's direction (see DirectionArgs)
 
 
 class KernelScalars(NamedTuple):
@@ -248,7 +248,8 @@ class DirectionArgs:
     """Scalars of the write of an algorithm whose direction needs the whole matrix (Adafactor's factored
     preconditioning, Muon's orthogonalization): the direction ``u`` is computed beforehand, in float32, and handed
     as the gradient; the weight moves by ``-step_size * u - lr * weight_decay * p`` in one rounded write. No state per
-    element. The PyTorch path only (the direction is a float32 tensor the fused kernels do not take)."""
+    element. Every backend writes a bf16 direction (Muon's); a float32 one (Adafactor's) takes the PyTorch path, the
+    fused kernels reading bf16 gradients only."""
 
     algorithm: ClassVar[Algorithm] = Algorithm.DIRECTION
     step_size: float

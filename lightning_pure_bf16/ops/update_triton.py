@@ -4,7 +4,8 @@ tensor or flat partition.
 Reads p, g and the states (and the Kahan buffer) once, computes in fp32 registers, writes each buffer once with
 stochastic rounding (random bits from ``ops.rng``) or round-to-nearest-even. Rounding is done on integer bit patterns,
 because the Triton interpreter (how the CPU tests run this kernel) truncates in its float-to-bf16 cast. Each
-algorithm is one ``@triton.jit`` helper (``_adam_update``, ``_lion_update``, ``_sgd_update``), chosen at compile time.
+algorithm is one ``@triton.jit`` helper (``_adam_update``, ``_lion_update``, ``_sgd_update``, ``_direction_update``),
+chosen at compile time.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _ROUND_STOCHASTIC: tl.constexpr = tl.constexpr(ROUNDING_CODES["stochastic"])
 _ROUND_KAHAN: tl.constexpr = tl.constexpr(ROUNDING_CODES["kahan"])
 _ADAM: tl.constexpr = tl.constexpr(int(Algorithm.ADAM))
 _LION: tl.constexpr = tl.constexpr(int(Algorithm.LION))
+_DIRECTION: tl.constexpr = tl.constexpr(int(Algorithm.DIRECTION))
 
 
 @triton.jit
@@ -148,6 +150,15 @@ def _sgd_update(p, g, buf, weight_decay, keep, take, momentum, neg_lr, MOMENTUM:
         else:
             d = buf
     return buf, d * neg_lr
+
+
+@triton.jit
+def _direction_update(p, g, neg_step_size, decay, DECAY: tl.constexpr):
+    """The write of a direction computed beforehand (Muon's orthogonalized momentum), handed as the gradient."""
+    delta = g * neg_step_size
+    if DECAY:
+        delta = delta - decay * p
+    return delta
 
 
 # ------------------------------------------------------------------------------------------------ 8-bit state codes
@@ -298,6 +309,8 @@ def _update_kernel(
         m, v, delta = _adam_update(p, g, m, v, h0, h1, h2, h3, h4, h5, h6, h7, h8, VARIANT)
     elif ALGORITHM == _LION:
         m, delta = _lion_update(p, g, m, h0, h1, h2, h3, h4, h5, VARIANT)
+    elif ALGORITHM == _DIRECTION:
+        delta = _direction_update(p, g, h0, h1, VARIANT)
     else:
         m, delta = _sgd_update(p, g, m, h0, h1, h2, h3, h4, STATES >= 1, VARIANT)
 

@@ -20,7 +20,7 @@ from lightning_pure_bf16.ops import quant
 from lightning_pure_bf16.ops.algorithms import ROUNDING_MODES, Args, DirectionArgs
 from lightning_pure_bf16.ops.rng import Buffer, draw_seed, stream_key
 from lightning_pure_bf16.ops.update_cpu import fused_cpu_available
-from lightning_pure_bf16.ops.update_torch import DEFAULT_CHUNK, update_torch_
+from lightning_pure_bf16.ops.update_torch import DEFAULT_CHUNK
 from lightning_pure_bf16.optim import functional, sharded, state_dicts, storage
 from lightning_pure_bf16.optim.mmap_states import DEFAULT_STATE_CHUNK
 from lightning_pure_bf16.optim.options import (
@@ -457,10 +457,13 @@ class PureBF16Optimizer(Optimizer):
         step: int,
         step_size: float,
         decay: float,
+        backend: str = "torch",
     ) -> None:
         """Move elements ``[start, start + direction.numel())`` of ``p``'s local tensor by ``-step_size * direction
         - decay * p``, one rounded write with the noise and Kahan remainder the elementwise algorithms use
-        (``ops.algorithms.DirectionArgs``): the write of the whole-parameter algorithms, on the PyTorch path."""
+        (``ops.algorithms.DirectionArgs``): the write of the whole-parameter algorithms. ``backend`` (resolved: the
+        step's) writes a bf16 direction of a bf16 tensor (Muon's) with the fused kernels, the same bits as the PyTorch
+        path, which writes every other (Adafactor's float32 direction)."""
         state = self.state[p]
         seed, offset = self._noise(p)
         args = DirectionArgs(
@@ -472,13 +475,13 @@ class PureBF16Optimizer(Optimizer):
         )
         end = start + direction.numel()
         kahan = group["rounding"] == "kahan" and p.dtype == torch.bfloat16
-        update_torch_(
+        fused = p.dtype == direction.dtype == torch.bfloat16 and backend != "torch"
+        functional.update_function(backend if fused else "torch", self.chunk_size)(
             sharded.local(p).view(-1)[start:end],
             direction,
             [],
             sharded.local(state[state_dicts.KAHAN_KEY]).view(-1)[start:end] if kahan else None,
             args,
-            chunk_size=self.chunk_size,
             index_offset=offset + start,
         )
 

@@ -217,6 +217,7 @@ class Muon(PureBF16Optimizer):
                 step=step,
                 step_size=lr * _lr_ratio(group["adjust_lr_fn"], q.shape),
                 decay=lr * float(group["weight_decay"]),
+                backend=backend,
             )
 
 

@@ -42,3 +42,15 @@ struct Sgd {
     return d * s.h[4];
   }
 };
+
+// The write of a direction computed beforehand from whole matrices (Muon's orthogonalized momentum), handed as the
+// gradient: h = -step_size, lr * weight_decay; variant 1: decoupled weight decay. No state.
+template <int VARIANT>
+struct Direction {
+  static constexpr int STATES = 0;
+  static PB16_INLINE float step(float p, float g, float& /*unused*/, const Hyper& s) {
+    float delta = g * s.h[0];
+    if constexpr ((VARIANT & 1) != 0) delta = delta - p * s.h[1];
+    return delta;
+  }
+};

@@ -195,6 +195,9 @@ void update_elementwise(int64_t algorithm, int64_t states, int64_t variant, int6
     if (states == 0) variant & 1 ? run.go<Sgd<0, 1>, 0>() : run.go<Sgd<0, 0>, 0>();
     else if (q8) run.sgd_with_momentum<2>(variant);
     else run.sgd_with_momentum<1>(variant);
+  } else if (algorithm == ALGORITHM_DIRECTION) {
+    TORCH_CHECK(states == 0, "update_elementwise: a direction's write keeps no state, got ", states);
+    variant & 1 ? run.go<Direction<1>, 0>() : run.go<Direction<0>, 0>();
   } else {
     TORCH_CHECK(false, "update_elementwise: algorithm ", algorithm, " has no generic loop");
   }
