@@ -334,3 +334,49 @@ def test_dtensor_parameters_train_bit_for_bit_as_plain_tensors(name, tmp_path):
                     assert isinstance(state, DTensor) and torch.equal(state.to_local(), value), key
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "nearest"])
+@pytest.mark.parametrize("name", ["lion", "sgd"])
+def test_the_functional_form_writes_the_bytes_of_the_optimizers_step(name, rounding, backend):
+    # lion(...) and sgd(...) for a caller that keeps the states itself: the optimizer's seed, the tensor's stream (0,
+    # its first tensor) and the step give the same noise, so three steps leave the same weight and states.
+    from lightning_pure_bf16.optim.functional import lion, sgd
+
+    p0 = (torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 0.5).bfloat16()
+    grads = [torch.randn(1000, generator=torch.Generator().manual_seed(t)).bfloat16() for t in range(1, 4)]
+    if name == "lion":
+        cls, update, key, hp = Lion, lion, "exp_avg", {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1}
+    else:
+        cls, update, key = SGD, sgd, "momentum_buffer"
+        hp = {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}
+    p = p0.clone().requires_grad_()
+    opt = cls([p], rounding=rounding, seed=11, backend=backend, **hp)
+    for g in grads:
+        p.grad = g
+        opt.step()
+    q, state = p0.clone(), torch.zeros_like(p0)
+    comp = torch.zeros_like(p0) if rounding == "kahan" else None
+    for t, g in enumerate(grads, start=1):
+        update(q, g, state, step=t, rounding=rounding, kahan_comp=comp, seed=11, backend=backend, **hp)
+    assert torch.equal(p.detach().view(torch.int16), q.view(torch.int16))
+    assert torch.equal(opt.state[p][key].view(torch.int16), state.view(torch.int16))
+    if comp is not None:
+        assert torch.equal(opt.state[p]["kahan_comp"].view(torch.int16), comp.view(torch.int16))
+    assert not torch.equal(q, p0)
+
+
+def test_the_functional_forms_refuse_bad_input_by_name():
+    from lightning_pure_bf16.optim.functional import lion, sgd
+
+    p, g = torch.zeros(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sgd\\(momentum=0.9\\)` needs `momentum_buffer`"):
+        sgd(p, g, step=1, momentum=0.9)
+    with pytest.raises(ValueError, match="nesterov=True"):
+        sgd(p, g, torch.zeros_like(p), step=1, momentum=0.9, dampening=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="lion\\(betas"):
+        lion(p, g, torch.zeros_like(p), step=1, betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="needs `kahan_comp`"):
+        lion(p, g, torch.zeros_like(p), step=1, rounding="kahan")
+    assert torch.equal(p, torch.zeros(8, dtype=torch.bfloat16))  # nothing written

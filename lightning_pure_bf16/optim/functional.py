@@ -1,7 +1,8 @@
-"""The pure-bf16 AdamW update of one tensor as a function: :func:`adamw` writes ``param`` and its states in place with
-the bits :class:`lightning_pure_bf16.AdamW`'s step writes, for a caller that keeps the state itself, as torchao's
-and optimi's functional forms. Also what every optimizer's step uses: the choice of backend and its update function
-(one per backend for every algorithm, ``ops``), and the checks of parameters, gradients and gradient factors."""
+"""The pure-bf16 updates of one tensor as functions: :func:`adamw`, :func:`lion` and :func:`sgd` write ``param`` and
+its states in place with the bits the step of :class:`lightning_pure_bf16.AdamW`, ``Lion`` and ``SGD`` writes, for a
+caller that keeps the state itself, as torchao's and optimi's functional forms. Also what every optimizer's step
+uses: the choice of backend and its update function (one per backend for every algorithm, ``ops``), and the checks of
+parameters, gradients and gradient factors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_pure_bf16.ops.algorithms import ROUNDING_MODES, UpdateArgs
+from lightning_pure_bf16.ops.algorithms import ROUNDING_MODES, Args, LionArgs, SGDArgs, UpdateArgs
 from lightning_pure_bf16.ops.rng import Buffer, stream_key
 from lightning_pure_bf16.ops.update_cpu import any_nonfinite_cpu, can_use_fused_cpu, fused_cpu_available, update_cpu_
 from lightning_pure_bf16.ops.update_torch import DEFAULT_CHUNK, intercepts_operations, update_torch_
@@ -85,6 +86,137 @@ def adamw(
     comp = kahan_comp if rounding == "kahan" else None
     scales = (exp_avg_scale, exp_avg_sq_scale) if exp_avg_scale is not None else ()
     update(param, grad, (exp_avg, exp_avg_sq), comp, args, scales=scales, index_offset=index_offset)
+
+
+@torch.no_grad()
+def lion(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    *,
+    step: int,
+    lr: float = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float = 0.0,
+    rounding: str = "stochastic",
+    kahan_comp: torch.Tensor | None = None,
+    exp_avg_scale: torch.Tensor | None = None,
+    seed: int = 0,
+    stream: int = 0,
+    index_offset: int = 0,
+    backend: str = "auto",
+    chunk_size: int = DEFAULT_CHUNK,
+    grad_scale: float = 1.0,
+) -> None:
+    """One Lion update of ``param`` in place, from ``grad`` (:class:`lightning_pure_bf16.Lion`'s step, the same bits).
+
+    Args:
+        exp_avg: the momentum, updated in place: the parameter's dtype, or int8 codes with their block scales
+            ``exp_avg_scale``.
+        step, rounding, kahan_comp, seed, stream, index_offset, backend, chunk_size, grad_scale: as
+            :func:`adamw`'s.
+        lr, betas, weight_decay: as :class:`~lightning_pure_bf16.Lion`'s.
+    """
+    check_lr("lion", lr)
+    if len(betas) != 2 or not all(0.0 <= float(b) <= 1.0 for b in betas):
+        raise ValueError(f"`lion(betas={betas!r})`: both betas must be in [0, 1].")
+    check_non_negative("lion", "weight_decay", weight_decay, "weight decay")
+    args = LionArgs(
+        lr=float(lr),
+        beta1=float(betas[0]),
+        beta2=float(betas[1]),
+        weight_decay=float(weight_decay),
+        step=step,
+        rounding=rounding,
+        keys=_keys(seed, stream, step),
+        grad_scale=float(grad_scale),
+    )
+    scales = (exp_avg_scale,) if exp_avg_scale is not None else ()
+    _update_one("lion", param, grad, [exp_avg], kahan_comp, args, scales, backend, chunk_size, index_offset)
+
+
+@torch.no_grad()
+def sgd(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None = None,
+    *,
+    step: int,
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    rounding: str = "stochastic",
+    kahan_comp: torch.Tensor | None = None,
+    momentum_buffer_scale: torch.Tensor | None = None,
+    seed: int = 0,
+    stream: int = 0,
+    index_offset: int = 0,
+    backend: str = "auto",
+    chunk_size: int = DEFAULT_CHUNK,
+    grad_scale: float = 1.0,
+) -> None:
+    """One SGD update of ``param`` in place, from ``grad`` (:class:`lightning_pure_bf16.SGD`'s step, the same bits).
+
+    Args:
+        momentum_buffer: the momentum, updated in place (with ``momentum > 0``; its first step, ``step=1``, starts it
+            at the gradient, as ``torch.optim.SGD`` does): the parameter's dtype, or int8 codes with their block scales
+            ``momentum_buffer_scale``. ``None`` without momentum.
+        step, rounding, kahan_comp, seed, stream, index_offset, backend, chunk_size, grad_scale: as :func:`adamw`'s.
+        lr, momentum, dampening, weight_decay, nesterov: as :class:`~lightning_pure_bf16.SGD`'s.
+    """
+    check_lr("sgd", lr)
+    for name, value in (("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay)):
+        check_non_negative("sgd", name, value)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("`sgd(nesterov=True)` needs a momentum > 0 and zero dampening, as torch.optim.SGD.")
+    if (momentum_buffer is None) != (momentum == 0):
+        raise ValueError(
+            f"`sgd(momentum={momentum!r})` "
+            + ("needs `momentum_buffer` (zeros to start)." if momentum_buffer is None else "keeps no momentum_buffer.")
+        )
+    args = SGDArgs(
+        lr=float(lr),
+        momentum=float(momentum),
+        dampening=float(dampening),
+        weight_decay=float(weight_decay),
+        nesterov=bool(nesterov),
+        step=step,
+        rounding=rounding,
+        keys=_keys(seed, stream, step),
+        grad_scale=float(grad_scale),
+    )
+    states = [momentum_buffer] if momentum_buffer is not None else []
+    scales = (momentum_buffer_scale,) if momentum_buffer_scale is not None else ()
+    _update_one("sgd", param, grad, states, kahan_comp, args, scales, backend, chunk_size, index_offset)
+
+
+def _keys(seed: int, stream: int, step: int) -> tuple[int, int, int]:
+    """The noise keys of one tensor's update: the optimizer's seed, the tensor's stream, the step (every buffer)."""
+    return tuple(stream_key(seed, stream, step, b) for b in Buffer)  # type: ignore[return-value]
+
+
+def _update_one(
+    name: str,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    kahan_comp: torch.Tensor | None,
+    args: Args,
+    scales: tuple[torch.Tensor, ...],
+    backend: str,
+    chunk_size: int,
+    index_offset: int,
+) -> None:
+    """The shared end of the functional forms: the rounding and factor checked, the backend chosen, one update."""
+    check_choice(name, "rounding", args.rounding, ROUNDING_MODES)
+    check_grad_scale(f"`{name}(...)`", args.grad_scale)
+    if args.rounding == "kahan" and kahan_comp is None and param.dtype == torch.bfloat16:
+        raise ValueError(f"{name}(rounding='kahan') needs `kahan_comp`, the buffer of the remainders (zeros to start).")
+    update = update_function(resolve_backend(backend, param, grad, name=name), chunk_size)
+    comp = kahan_comp if args.rounding == "kahan" else None
+    update(param, grad, states, comp, args, scales=scales, index_offset=index_offset)
 
 
 def update_args(
@@ -283,6 +415,8 @@ __all__ = [
     "nonfinite_flags",
     "refuse_subclass",
     "resolve_backend",
+    "lion",
+    "sgd",
     "update_args",
     "update_function",
 ]
