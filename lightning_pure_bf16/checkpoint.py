@@ -458,9 +458,11 @@ def consolidate_optimizer_state(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """The optimizer state of a checkpoint written at any world size, per parameter name of the LightningModule.
 
-    Each entry holds ``exp_avg``, ``exp_avg_sq``, ``kahan_comp`` (when the run kept a Kahan remainder) shaped as the
-    parameter, bit for bit what the run held (8-bit moments and remainders are decoded to float32 with their block
-    scales or weights), and ``step`` (int64). A DeepSpeed bf16-mixed checkpoint gives its fp32 moments.
+    Each entry holds the per-element states the run kept (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
+    ``kahan_comp``...) shaped as the parameter, bit for bit what the run held (8-bit states and remainders are decoded
+    to float32 with their block scales or weights), Adafactor's float32 ``row_var``/``col_var`` or ``variance`` shaped
+    as ``torch.optim.Adafactor`` keeps them, and ``step`` (int64). A DeepSpeed bf16-mixed checkpoint gives its fp32
+    moments.
     ``trust_checkpoint``: as :func:`validate_checkpoint`'s.
 
     Raises:
@@ -471,6 +473,7 @@ def consolidate_optimizer_state(
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name in reader.iter_params():
         entry = {key: reader.full(name, key).clone() for key in reader.stored_keys(name)}
+        entry.update((key, value.clone()) for key, value in reader.statistics(name).items())
         if step is not None:
             entry["step"] = torch.tensor(step, dtype=torch.int64)
         out[name] = entry

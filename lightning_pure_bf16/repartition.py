@@ -112,7 +112,8 @@ def _load_statistics(checkpoint: ZeroCheckpoint, optimizer: Any, master: torch.T
     for q, part in statistics_of_pieces(optimizer.pieces_of(master), live):
         saved = checkpoint.statistics(q.name)
         for key, target in part.items():
-            target.copy_(saved[key] if key != "variance" else saved[key][q.start : q.start + q.numel])
+            flat = saved[key].reshape(-1)
+            target.copy_(flat if key != "variance" else flat[q.start : q.start + q.numel])
 
 
 @torch.no_grad()

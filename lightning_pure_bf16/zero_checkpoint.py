@@ -169,9 +169,10 @@ class ZeroCheckpoint:
         return any(STATISTICS_KEY in self.inner_state(0, sub) for sub in range(len(self.sub_groups)))
 
     def statistics(self, name: str) -> dict[str, torch.Tensor]:
-        """Parameter ``name``'s float32 statistics that are not per element (Adafactor's), whole: a matrix's
-        ``row_var`` and ``col_var`` (every rank holds them whole: rank 0's), a vector's ``variance`` (each rank holds
-        its run of it: joined in order); empty when the optimizer kept none."""
+        """Parameter ``name``'s float32 statistics that are not per element (Adafactor's), whole and shaped as
+        ``torch.optim.Adafactor`` keeps them: a matrix's ``row_var`` (its shape with the last dimension 1) and
+        ``col_var`` (the second last 1; every rank holds both whole: rank 0's), a vector's ``variance`` (the
+        parameter's shape; each rank holds its run of it: joined in order); empty when the optimizer kept none."""
         sub_group = self.places[name].sub_group
         params = [
             (n, self.places[n].shape, self.places[n].numel, math.ceil(self.places[n].numel / self.world_size))
@@ -184,10 +185,14 @@ class ZeroCheckpoint:
                 return {}
             pieces = zero3_pieces(params, rank, None)
             (part,) = [part for q, part in statistics_of_pieces(pieces, saved) if q.name == name]
-            if "variance" not in part:
-                return part  # rows and columns: whole on every rank
+            if "variance" not in part:  # rows and columns: whole on every rank
+                shape = self.places[name].shape
+                return {
+                    "row_var": part["row_var"].view(*shape[:-1], 1),
+                    "col_var": part["col_var"].view(*shape[:-2], 1, shape[-1]),
+                }
             parts.append(part["variance"])
-        return {"variance": torch.cat(parts)}
+        return {"variance": torch.cat(parts).view(self.places[name].shape)}
 
     def step(self) -> int | None:
         """The optimizer step count (the same in every sub-group; checked in the rank files read so far, rank 0's
@@ -296,7 +301,8 @@ class ZeroCheckpoint:
 
     def optimizer_sources(self) -> list[TensorSource]:
         """Per trained parameter ``NAME``: ``NAME.exp_avg``, ``NAME.exp_avg_sq``, ``NAME.kahan_comp`` where kept
-        (bf16 as stored; 8-bit codes decoded to float32) and ``NAME.step`` (int64), to be read piece by piece."""
+        (bf16 as stored; 8-bit codes decoded to float32), Adafactor's float32 ``NAME.row_var``, ``NAME.col_var`` or
+        ``NAME.variance`` (:meth:`statistics`) and ``NAME.step`` (int64), to be read piece by piece."""
         step = self.step()
         sources = []
         for name in self.iter_params():
@@ -306,6 +312,10 @@ class ZeroCheckpoint:
                 dtype = stored.dtype if stored.is_floating_point() else torch.float32
                 sources.append(
                     TensorSource(f"{name}.{key}", place.shape, dtype, lambda n=name, k=key: self.pieces(n, k))
+                )
+            for key, value in self.statistics(name).items():
+                sources.append(
+                    TensorSource(f"{name}.{key}", tuple(value.shape), torch.float32, lambda v=value: [v.reshape(-1)])
                 )
             if step is not None:
                 value = torch.tensor([step], dtype=torch.int64)

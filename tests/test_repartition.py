@@ -18,6 +18,7 @@ from lightning_pure_bf16 import CheckpointError, consolidate_checkpoint
 from lightning_pure_bf16.checkpoint import (
     MANIFEST,
     consolidate_optimizer_state,
+    export_optimizer_state,
     export_universal_checkpoint,
     validate_checkpoint,
 )
@@ -140,8 +141,17 @@ def chain(launches):
     return runs
 
 
+# torch.optim.Adafactor converted by the Kahan strategy: the remainder, the step, and a matrix's row and column
+# statistics or a vector's variance, as torch.optim.Adafactor names them.
+ADAFACTOR_KEPT = (
+    frozenset({"kahan_comp", "step", "row_var", "col_var"}),
+    frozenset({"kahan_comp", "step", "variance"}),
+)
+
+
 def _assert_same_state(a, b, kept=frozenset({"exp_avg", "exp_avg_sq", "kahan_comp", "step"})):
-    """Two checkpoints hold the same weights and the same optimizer state (the keys ``kept``) bit for bit."""
+    """Two checkpoints hold the same weights and the same optimizer state (the keys ``kept``, or each parameter one of
+    the sets ``kept`` holds) bit for bit."""
     wa, wb = consolidate_checkpoint(a), consolidate_checkpoint(b)
     assert set(wa) == set(wb)
     for key in wa:
@@ -149,7 +159,7 @@ def _assert_same_state(a, b, kept=frozenset({"exp_avg", "exp_avg_sq", "kahan_com
     oa, ob = consolidate_optimizer_state(a), consolidate_optimizer_state(b)
     assert set(oa) == set(ob)
     for name in oa:
-        assert set(oa[name]) == set(ob[name]) == kept
+        assert set(oa[name]) == set(ob[name]) and (set(oa[name]) == kept or frozenset(oa[name]) in kept), name
         for key in oa[name]:
             assert oa[name][key].dtype == ob[name][key].dtype
             assert torch.equal(oa[name][key], ob[name][key]), (name, key)
@@ -195,7 +205,7 @@ def test_adafactor_checkpoints_resume_at_the_saved_world_size_with_their_statist
     """torch.optim.Adafactor converted (Kahan, as the strategy says), 2 ranks saved and loaded on 2 ranks: the
     weights, the Kahan remainder, the step and every rank's float32 row and column statistics exactly."""
     src, hop = launches / "two" / "torch_adafactor" / "final", launches / "two" / "adafactor_to2" / "resaved"
-    _assert_same_state(src, hop, kept={"kahan_comp", "step"})
+    _assert_same_state(src, hop, kept=ADAFACTOR_KEPT)
     a, b = ZeroCheckpoint(src / "checkpoint"), ZeroCheckpoint(hop / "checkpoint")
     assert a.holds_statistics()
     for rank in range(2):
@@ -214,7 +224,7 @@ def test_adafactor_checkpoints_resume_at_another_world_size_with_their_statistic
     src = launches / "two" / "torch_adafactor" / "final"
     one, back = launches / "one" / "adafactor_to1" / "resaved", launches / "two" / "adafactor_1to2" / "resaved"
     for hop in (one, back):
-        _assert_same_state(src, hop, kept={"kahan_comp", "step"})
+        _assert_same_state(src, hop, kept=ADAFACTOR_KEPT)
     a, b, c = (ZeroCheckpoint(x / "checkpoint") for x in (src, one, back))
     assert (a.world_size, b.world_size, c.world_size) == (2, 1, 2)
     kinds = set()
@@ -228,6 +238,27 @@ def test_adafactor_checkpoints_resume_at_another_world_size_with_their_statistic
         for sub_group in range(len(a.sub_groups)):
             sa, sc = a.inner_state(rank, sub_group)["statistics"], c.inner_state(rank, sub_group)["statistics"]
             assert all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_adafactors_statistics_are_exported_as_torch_optim_adafactor_keeps_them(launches, tmp_path):
+    """consolidate_optimizer_state and export_optimizer_state give each parameter's statistics whole, float32, in
+    torch.optim.Adafactor's shapes (rows: the last dimension 1; columns: the second last 1; a vector's variance)."""
+    from safetensors.torch import load_file
+
+    src = launches / "two" / "torch_adafactor" / "final"
+    reader, state = ZeroCheckpoint(src / "checkpoint"), consolidate_optimizer_state(src)
+    export_optimizer_state(src, tmp_path / "state.safetensors")
+    exported = load_file(tmp_path / "state.safetensors")
+    for name in reader.iter_params():
+        shape = reader.places[name].shape
+        if len(shape) >= 2:
+            shapes = {"row_var": (*shape[:-1], 1), "col_var": (*shape[:-2], 1, shape[-1])}
+        else:
+            shapes = {"variance": shape}
+        for key, want in shapes.items():
+            value = state[name][key]
+            assert value.dtype == torch.float32 and tuple(value.shape) == want, (name, key)
+            assert torch.equal(exported[f"{name}.{key}"], value), (name, key)
 
 
 def test_sub_group_size_changed_too(chain):
