@@ -28,7 +28,7 @@ from lightning_pure_bf16.checkpoint import (
 from lightning_pure_bf16.data import resume_fabric_dataloader
 from lightning_pure_bf16.hf_models import from_pretrained
 from lightning_pure_bf16.integrations import host_watch
-from lightning_pure_bf16.optim import SGD, Adafactor, Adam, AdamW, Lion, Muon, PureBF16Optimizer
+from lightning_pure_bf16.optim import SGD, Adafactor, Adam, AdamW, Lion, Muon, PureBF16Optimizer, muon_param_groups
 from lightning_pure_bf16.optim.mmap_states import StateStorageError
 from lightning_pure_bf16.pretrained import PretrainedError, load_pretrained, save_pretrained
 
@@ -119,6 +119,7 @@ __all__ = [
     "export_pretrained",
     "from_pretrained",
     "load_pretrained",
+    "muon_param_groups",
     "PretrainedError",
     "consolidate_optimizer_state",
     "resume_fabric_dataloader",

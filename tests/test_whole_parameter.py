@@ -359,6 +359,31 @@ def test_bad_options_are_refused_by_name(make, match):
         make([torch.zeros(4, requires_grad=True), torch.zeros(3, 4, requires_grad=True)])
 
 
+def test_muon_param_groups_orthogonalize_the_hidden_matrices_and_give_the_rest_to_adamw():
+    from lightning_pure_bf16 import muon_param_groups
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(16, 8)  # an embedding by type, whatever its name
+            self.hidden = torch.nn.Linear(8, 8)
+            self.norm = torch.nn.LayerNorm(8)
+            self.lm_head = torch.nn.Linear(8, 16, bias=False)
+            self.conv = torch.nn.Conv1d(8, 8, 3)  # not a matrix
+            self.frozen = torch.nn.Linear(8, 8)
+            self.frozen.requires_grad_(False)
+
+    model = Tiny().to(torch.bfloat16)
+    muon, adamw = muon_param_groups(model, lr=3e-4, betas=(0.8, 0.9))
+    assert [id(p) for p in muon["params"]] == [id(model.hidden.weight)] and "use_muon" not in muon
+    expected = [model.wte.weight, model.hidden.bias, model.norm.weight, model.norm.bias, model.lm_head.weight]
+    expected += [model.conv.weight, model.conv.bias]
+    assert [id(p) for p in adamw["params"]] == [id(p) for p in expected]
+    assert adamw["use_muon"] is False and adamw["lr"] == 3e-4 and adamw["betas"] == (0.8, 0.9)
+    opt = Muon(muon_param_groups(model), lr=2e-2)  # accepted as built: every Muon parameter a matrix
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+
+
 def test_muon_reads_the_layer_shape_of_a_parameter_zero3_partitioned_at_construction():
     # Under deepspeed.zero.Init (Fabric's init_module, from_pretrained under ZeRO-3) a parameter is an empty
     # placeholder whose shape as a layer is ds_shape: a matrix there is accepted, a vector still refused by name.

@@ -11,7 +11,7 @@ from lightning_pure_bf16.optim.adafactor import Adafactor, statistics_of_pieces
 from lightning_pure_bf16.optim.adamw import Adam, AdamW
 from lightning_pure_bf16.optim.base import PureBF16Optimizer, register_construction_hook
 from lightning_pure_bf16.optim.lion import Lion
-from lightning_pure_bf16.optim.muon import Muon
+from lightning_pure_bf16.optim.muon import Muon, muon_param_groups
 from lightning_pure_bf16.optim.pieces import zero3 as zero3_pieces
 from lightning_pure_bf16.optim.sgd import SGD
 from lightning_pure_bf16.optim.state_dicts import KAHAN_KEY, STATISTICS_KEY, is_scale_key, scale_key
@@ -27,6 +27,7 @@ __all__ = [
     "Muon",
     "PureBF16Optimizer",
     "fused_cpu_available",
+    "muon_param_groups",
     "is_scale_key",
     "quant",
     "rank_seed",

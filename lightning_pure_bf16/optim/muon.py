@@ -221,6 +221,25 @@ class Muon(PureBF16Optimizer):
             )
 
 
+def muon_param_groups(module: torch.nn.Module, **adamw: Any) -> list[dict[str, Any]]:
+    """The param groups of ``module`` for :class:`Muon`, by the rule its users follow (Jordan's, nanochat's,
+    DeepSpeed's): every trainable matrix (two dimensions as a layer; ``ds_shape`` under ZeRO-3's partitioned init) is
+    orthogonalized, except an embedding's (``nn.Embedding``, or a name with ``embed``) and the output layer's (a name
+    with ``lm_head``); the rest (embeddings, the output layer, biases, norms, tensors of other ranks) goes to a group
+    with ``use_muon=False`` that AdamW steps, with ``adamw``'s settings (``lr``, ``betas``...). Empty groups are left
+    out. Override by building the groups yourself."""
+    embeddings = {id(p) for m in module.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    muon, rest = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        shape = getattr(p, "ds_shape", None) or p.shape
+        named_out = any(word in name.lower() for word in ("embed", "lm_head"))
+        (muon if len(shape) == 2 and id(p) not in embeddings and not named_out else rest).append(p)
+    groups = [{"params": muon}, {"params": rest, "use_muon": False, **adamw}]
+    return [g for g in groups if g["params"]]
+
+
 def newton_schulz(
     matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
 ) -> torch.Tensor:
@@ -314,4 +333,4 @@ def _lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-__all__ = ["AUX_ADAMW_DEFAULTS", "NS_COEFFICIENTS", "Muon", "newton_schulz"]
+__all__ = ["AUX_ADAMW_DEFAULTS", "NS_COEFFICIENTS", "Muon", "muon_param_groups", "newton_schulz"]
