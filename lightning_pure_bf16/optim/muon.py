@@ -6,9 +6,9 @@ Muon keeps one momentum per element (``m = m + (1 - momentum) * (g - m)``, bf16 
 moves a matrix along the orthogonalized (Nesterov) momentum: five Newton-Schulz iterations in bf16 on the whole
 matrix. A ZeRO-3 flat partition or an FSDP2 shard holds a run of a matrix's elements, so each matrix has an owner
 rank (matrices shared out by size): the ranks send it their runs, it orthogonalizes the whole matrix and sends each
-rank its run back. Memory beyond the states: a few bf16 copies of the largest matrix on its owner. The weight's write
-is rounded like every other algorithm's. 6 bytes per parameter on the device for Muon's matrices (bf16 weight,
-gradient and momentum), 8 for AdamW's.
+rank its run back. Memory beyond the states: at most three bf16 copies of the matrix being orthogonalized, on its
+owner. The weight's write is rounded like every other algorithm's, in the fused kernels (the direction is bf16).
+6 bytes per parameter on the device for Muon's matrices (bf16 weight, gradient and momentum), 8 for AdamW's.
 """
 
 from __future__ import annotations
