@@ -443,8 +443,7 @@ class PureBF16Optimizer(Optimizer):
     ) -> None:
         """One step of a tensor whose update needs whole parameters (:attr:`whole_parameter`): ``grad`` is the
         gradient of ``p``'s local elements, to be multiplied by ``grad_scale`` in float32, :meth:`pieces_of` says
-        which parameters they belong to. Writes through
-        :meth:`write_direction` or :meth:`_write`."""
+        which parameters they belong to. Writes through :meth:`write_direction` or :meth:`_write`."""
         raise NotImplementedError
 
     def write_direction(
@@ -575,7 +574,6 @@ class PureBF16Optimizer(Optimizer):
         """
         return state_dicts.dequantized(self, p)
 
-    @torch.no_grad()
     def set_step(self, p: torch.Tensor, step: int) -> None:
         """Set the step count of ``p``'s state (which exists, :meth:`init_state`): what a checkpoint loaded piece by
         piece (:meth:`load_state_range`) saved."""
@@ -586,6 +584,7 @@ class PureBF16Optimizer(Optimizer):
             )
         state["step"] = torch.tensor(int(step), dtype=torch.int64)
 
+    @torch.no_grad()
     def load_state_range(self, p: torch.Tensor, start: int, values: dict[str, torch.Tensor]) -> None:
         """Write elements ``[start, start + n)`` of the state buffers of ``p`` (a plain tensor whose state exists,
         :meth:`init_state`) from ``values``, keyed as the buffers, each 1-D of ``n`` elements in any format (floats,
