@@ -68,8 +68,6 @@ def adamw(
     """
     check_hyperparameters("adamw", lr, betas, eps, weight_decay, rounding)
     check_grad_scale("`adamw(...)`", grad_scale)
-    if rounding == "kahan" and kahan_comp is None and param.dtype == torch.bfloat16:
-        raise ValueError("adamw(rounding='kahan') needs `kahan_comp`, the buffer of the remainders (zeros to start).")
     args = update_args(
         lr=lr,
         betas=betas,
@@ -82,10 +80,9 @@ def adamw(
         stream=stream,
         grad_scale=grad_scale,
     )
-    update = update_function(resolve_backend(backend, param, grad), chunk_size)
-    comp = kahan_comp if rounding == "kahan" else None
     scales = (exp_avg_scale, exp_avg_sq_scale) if exp_avg_scale is not None else ()
-    update(param, grad, (exp_avg, exp_avg_sq), comp, args, scales=scales, index_offset=index_offset)
+    states = [exp_avg, exp_avg_sq]
+    _update_one("adamw", param, grad, states, kahan_comp, args, scales, backend, chunk_size, index_offset)
 
 
 @torch.no_grad()
@@ -118,6 +115,7 @@ def lion(
         lr, betas, weight_decay: as :class:`~lightning_pure_bf16.Lion`'s.
     """
     check_lr("lion", lr)
+    check_grad_scale("`lion(...)`", grad_scale)
     if len(betas) != 2 or not all(0.0 <= float(b) <= 1.0 for b in betas):
         raise ValueError(f"`lion(betas={betas!r})`: both betas must be in [0, 1].")
     check_non_negative("lion", "weight_decay", weight_decay, "weight decay")
@@ -167,6 +165,7 @@ def sgd(
         lr, momentum, dampening, weight_decay, nesterov: as :class:`~lightning_pure_bf16.SGD`'s.
     """
     check_lr("sgd", lr)
+    check_grad_scale("`sgd(...)`", grad_scale)
     for name, value in (("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay)):
         check_non_negative("sgd", name, value)
     if nesterov and (momentum <= 0 or dampening != 0):
@@ -209,9 +208,9 @@ def _update_one(
     chunk_size: int,
     index_offset: int,
 ) -> None:
-    """The shared end of the functional forms: the rounding and factor checked, the backend chosen, one update."""
+    """The shared end of the functional forms (each checks its own scalars and gradient factor first): the rounding
+    and the Kahan buffer checked, the backend chosen, one update."""
     check_choice(name, "rounding", args.rounding, ROUNDING_MODES)
-    check_grad_scale(f"`{name}(...)`", args.grad_scale)
     if args.rounding == "kahan" and kahan_comp is None and param.dtype == torch.bfloat16:
         raise ValueError(f"{name}(rounding='kahan') needs `kahan_comp`, the buffer of the remainders (zeros to start).")
     update = update_function(resolve_backend(backend, param, grad, name=name), chunk_size)
@@ -245,7 +244,7 @@ def update_args(
         decoupled=bool(decoupled_weight_decay),
         step=step,
         rounding=rounding,
-        keys=keys or tuple(stream_key(seed, stream, step, b) for b in Buffer),  # type: ignore[arg-type]
+        keys=keys or _keys(seed, stream, step),
         grad_scale=float(grad_scale),
     )
 
