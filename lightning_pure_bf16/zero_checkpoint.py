@@ -123,6 +123,7 @@ class ZeroCheckpoint:
         self._zero: dict[int, dict[str, Any]] = {}
         self._models: dict[int, dict[str, Any]] = {}
         self._decoded: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._statistics: dict[tuple[int, int], dict[str, dict[str, torch.Tensor]] | None] = {}
         self.bytes_read = 0  # tensor data read by `stored`
         zero0 = self.zero_state(0)
         count = zero0.get("partition_count")
@@ -174,17 +175,12 @@ class ZeroCheckpoint:
         ``col_var`` (the second last 1; every rank holds both whole: rank 0's), a vector's ``variance`` (the
         parameter's shape; each rank holds its run of it: joined in order); empty when the optimizer kept none."""
         sub_group = self.places[name].sub_group
-        params = [
-            (n, self.places[n].shape, self.places[n].numel, math.ceil(self.places[n].numel / self.world_size))
-            for n in self.sub_groups[sub_group]
-        ]
         parts = []
         for rank in range(self.world_size):
-            saved = self.inner_state(rank, sub_group).get(STATISTICS_KEY)
-            if saved is None:
+            by_name = self._statistics_by_name(rank, sub_group)
+            if by_name is None:
                 return {}
-            pieces = zero3_pieces(params, rank, None)
-            (part,) = [part for q, part in statistics_of_pieces(pieces, saved) if q.name == name]
+            part = by_name[name]
             if "variance" not in part:  # rows and columns: whole on every rank
                 shape = self.places[name].shape
                 return {
@@ -193,6 +189,23 @@ class ZeroCheckpoint:
                 }
             parts.append(part["variance"])
         return {"variance": torch.cat(parts).view(self.places[name].shape)}
+
+    def _statistics_by_name(self, rank: int, sub_group: int) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Each parameter's part of rank ``rank``'s statistics of ``sub_group`` (views), worked out once per rank and
+        sub-group; ``None`` when the optimizer kept none."""
+        key = (rank, sub_group)
+        if key not in self._statistics:
+            saved = self.inner_state(rank, sub_group).get(STATISTICS_KEY)
+            if saved is None:
+                self._statistics[key] = None
+            else:
+                params = [
+                    (n, self.places[n].shape, self.places[n].numel, math.ceil(self.places[n].numel / self.world_size))
+                    for n in self.sub_groups[sub_group]
+                ]
+                pieces = zero3_pieces(params, rank, None)
+                self._statistics[key] = {q.name: part for q, part in statistics_of_pieces(pieces, saved)}
+        return self._statistics[key]
 
     def step(self) -> int | None:
         """The optimizer step count (the same in every sub-group; checked in the rank files read so far, rank 0's
