@@ -330,11 +330,14 @@ def _deepspeed_config(arm: str, spec: Spec) -> dict:
     return config
 
 
-def in_muon(name: str, p: object) -> bool:
-    """DeepSpeed's rule for the parameters its Muon orthogonalizes (``deepspeed.set_optimizer_flags``): two or more
-    dimensions as a layer (``ds_shape`` under ``zero.Init``), and a name without ``embed`` or ``lm_head``."""
-    shape = getattr(p, "ds_shape", None) or p.shape
-    return len(shape) >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+def slowest_rank_phases(ranks: list[dict]) -> tuple[list[float], list[float]]:
+    """Each measured step's forward+backward and optimizer-step times, the slowest rank's (the ranks wait for one
+    another in the collectives)."""
+    steps = range(len(ranks[0]["fwd_bwd_s"]))
+    return (
+        [max(x["fwd_bwd_s"][i] for x in ranks) for i in steps],
+        [max(x["optimizer_s"][i] for x in ranks) for i in steps],
+    )
 
 
 def _run_deepspeed(arm: str, spec: Spec, out: dict) -> None:
@@ -404,10 +407,11 @@ def _run_ours(arm: str, spec: Spec, out: dict, state_dir: Path) -> None:
         model = build_gpt(spec)
     if arm == "pure_bf16_muon":
         from lightning_pure_bf16 import Muon
+        from lightning_pure_bf16.deepspeed import deepspeed_muon_rule
 
         named = list(model.named_parameters())
-        matrices = [p for n, p in named if in_muon(n, p)]
-        rest = [p for n, p in named if not in_muon(n, p)]
+        matrices = [p for n, p in named if deepspeed_muon_rule(n, p)]
+        rest = [p for n, p in named if not deepspeed_muon_rule(n, p)]
         groups = [{"params": matrices}, {"params": rest, "use_muon": False}]
         optimizer = Muon(groups, lr=spec.lr, momentum=0.95, weight_decay=0.1)
     else:

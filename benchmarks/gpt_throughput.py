@@ -33,6 +33,7 @@ from _arms import (  # noqa: E402
     cpu_sentence,
     launch,
     missing_peer,
+    slowest_rank_phases,
 )
 from _results import write_results  # noqa: E402
 
@@ -49,10 +50,8 @@ def measure(arm: str, spec: Spec) -> dict:
     if not r["ok"]:
         print(f"{arm}: {r['why'][-3000:]}", file=sys.stderr, flush=True)
         return {"arm": arm, "ok": False, "why": r["why"].splitlines()[0]}
-    # Each step's time is the slowest rank's (the ranks wait for one another in the collectives).
     ranks = r["ranks"]
-    fwd_bwd = [max(x["fwd_bwd_s"][i] for x in ranks) for i in range(len(ranks[0]["fwd_bwd_s"]))]
-    opt = [max(x["optimizer_s"][i] for x in ranks) for i in range(len(ranks[0]["optimizer_s"]))]
+    fwd_bwd, opt = slowest_rank_phases(ranks)
     step = [a + b for a, b in zip(fwd_bwd, opt)]
     tokens = spec.world_size * spec.batch_size * spec.block_size
     row = {

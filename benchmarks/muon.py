@@ -28,8 +28,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arms import ARMS, Spec, build_gpt, cpu_sentence, in_muon, launch  # noqa: E402
+from _arms import ARMS, Spec, build_gpt, cpu_sentence, launch, slowest_rank_phases  # noqa: E402
 from _results import write_results  # noqa: E402
+
+from lightning_pure_bf16.deepspeed import deepspeed_muon_rule  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MUON_ARMS = ["ds_muon", "pure_bf16_muon"]
@@ -43,7 +45,8 @@ def largest_muon_matrix(spec: Spec) -> tuple[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = build_gpt(spec)
-    name, p = max(((n, p) for n, p in model.named_parameters() if in_muon(n, p)), key=lambda item: item[1].numel())
+    matrices = [(n, p) for n, p in model.named_parameters() if deepspeed_muon_rule(n, p)]
+    name, p = max(matrices, key=lambda item: item[1].numel())
     return name, tuple(p.shape)
 
 
@@ -53,8 +56,7 @@ def measure(arm: str, spec: Spec) -> dict:
         print(f"{arm}: {r['why'][-3000:]}", file=sys.stderr, flush=True)
         return {"arm": arm, "ok": False, "why": r["why"].splitlines()[0]}
     ranks = r["ranks"]
-    fwd_bwd = [max(x["fwd_bwd_s"][i] for x in ranks) for i in range(len(ranks[0]["fwd_bwd_s"]))]
-    opt = [max(x["optimizer_s"][i] for x in ranks) for i in range(len(ranks[0]["optimizer_s"]))]
+    fwd_bwd, opt = slowest_rank_phases(ranks)
     tokens = spec.world_size * spec.batch_size * spec.block_size
     exchanged = [x["step_exchanged_bytes"] for x in ranks]
     collectives = sorted({name for e in exchanged for name in e})
